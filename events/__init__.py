@@ -1,0 +1,60 @@
+"""The event log: domain events, the envelope, the codec and the stores.
+
+This package imports no other gpumesh package: the log knows no actors, HTTP or simulator.
+"""
+
+from .catalog import (
+    EVENT_TYPES as EVENT_TYPES,
+    HEARTBEAT_TYPE as HEARTBEAT_TYPE,
+    DomainEvent as DomainEvent,
+    stream_name as stream_name,
+    stream_of as stream_of,
+    type_tag as type_tag,
+)
+from .cluster import (
+    ClusterCreated as ClusterCreated,
+    ClusterDeleted as ClusterDeleted,
+    ClusterScaled as ClusterScaled,
+    ClusterSpec as ClusterSpec,
+    ClusterSpecChanged as ClusterSpecChanged,
+    GpuRequirement as GpuRequirement,
+)
+from .envelope import (
+    Envelope as Envelope,
+    NewEvent as NewEvent,
+    Undecodable as Undecodable,
+    new_event as new_event,
+)
+from .errors import (
+    ConcurrencyConflict as ConcurrencyConflict,
+    DuplicateEventId as DuplicateEventId,
+    EventStoreError as EventStoreError,
+    InvalidAppend as InvalidAppend,
+    StoreClosed as StoreClosed,
+    StoreFull as StoreFull,
+)
+from .memory_store import MemoryEventStore as MemoryEventStore
+from .node import (
+    GpuInfo as GpuInfo,
+    GpuMetrics as GpuMetrics,
+    NodeDrained as NodeDrained,
+    NodeHealthChanged as NodeHealthChanged,
+    NodeHeartbeat as NodeHeartbeat,
+    NodeRegistered as NodeRegistered,
+    NodeRemoved as NodeRemoved,
+)
+from .replica import (
+    Candidate as Candidate,
+    ReplicaFailed as ReplicaFailed,
+    ReplicaPlaced as ReplicaPlaced,
+    ReplicaReady as ReplicaReady,
+    ReplicaStarting as ReplicaStarting,
+    ReplicaStopped as ReplicaStopped,
+    ReplicaStopping as ReplicaStopping,
+)
+from .store import (
+    ANY as ANY,
+    NO_STREAM as NO_STREAM,
+    EventStore as EventStore,
+    Snapshot as Snapshot,
+)

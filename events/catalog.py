@@ -1,0 +1,103 @@
+"""The one tagged union of domain events, and which stream each event belongs to."""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import msgspec
+
+from .cluster import ClusterCreated, ClusterDeleted, ClusterScaled, ClusterSpecChanged
+from .errors import InvalidAppend
+from .ids import valid_id
+from .node import NodeDrained, NodeHealthChanged, NodeHeartbeat, NodeRegistered, NodeRemoved
+from .replica import (
+    ReplicaFailed,
+    ReplicaPlaced,
+    ReplicaReady,
+    ReplicaStarting,
+    ReplicaStopped,
+    ReplicaStopping,
+)
+
+NodeEvent: TypeAlias = (
+    NodeRegistered | NodeHeartbeat | NodeHealthChanged | NodeDrained | NodeRemoved
+)
+ClusterEvent: TypeAlias = ClusterCreated | ClusterSpecChanged | ClusterScaled | ClusterDeleted
+ReplicaEvent: TypeAlias = (
+    ReplicaPlaced
+    | ReplicaStarting
+    | ReplicaReady
+    | ReplicaFailed
+    | ReplicaStopping
+    | ReplicaStopped
+)
+DomainEvent: TypeAlias = NodeEvent | ClusterEvent | ReplicaEvent
+
+EVENT_TYPES: tuple[type[DomainEvent], ...] = (
+    NodeRegistered,
+    NodeHeartbeat,
+    NodeHealthChanged,
+    NodeDrained,
+    NodeRemoved,
+    ClusterCreated,
+    ClusterSpecChanged,
+    ClusterScaled,
+    ClusterDeleted,
+    ReplicaPlaced,
+    ReplicaStarting,
+    ReplicaReady,
+    ReplicaFailed,
+    ReplicaStopping,
+    ReplicaStopped,
+)
+
+HEARTBEAT_TYPE = "node.heartbeat.v1"
+
+_NODE_TYPES = (NodeRegistered, NodeHeartbeat, NodeHealthChanged, NodeDrained, NodeRemoved)
+_CLUSTER_SPEC_TYPES = (ClusterCreated, ClusterSpecChanged)
+
+
+def type_tag(event: DomainEvent) -> str:
+    """The explicit versioned tag stored beside the payload, e.g. `node.heartbeat.v1`."""
+    tag = type(event).__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
+
+
+def stream_of(event: DomainEvent) -> str:
+    """The stream an event belongs to; an append to any other stream is refused."""
+    if isinstance(event, _NODE_TYPES):
+        return f"node/{event.node_id}"
+    if isinstance(event, _CLUSTER_SPEC_TYPES):
+        return f"cluster/{event.spec.name}"
+    if isinstance(event, ClusterScaled | ClusterDeleted):
+        return f"cluster/{event.name}"
+    return f"replica/{event.replica_id}"
+
+
+def stream_name(kind: str, ident: str) -> str:
+    """Build `kind/ident`, refusing ids that cannot appear in a NATS subject."""
+    if kind not in ("node", "cluster", "replica"):
+        raise InvalidAppend(f"unknown stream kind {kind!r}: expected node, cluster or replica")
+    if not valid_id(ident):
+        raise InvalidAppend(f"invalid {kind} id {ident!r}: use 1-128 of [A-Za-z0-9_-]")
+    return f"{kind}/{ident}"
+
+
+def check_stream(stream: str) -> None:
+    kind, sep, ident = stream.partition("/")
+    if not sep:
+        raise InvalidAppend(
+            f"invalid stream {stream!r}: expected node/<id>, cluster/<name> or replica/<id>"
+        )
+    stream_name(kind, ident)
+
+
+def event_type_names() -> list[str]:
+    return [type_tag_of_class(cls) for cls in EVENT_TYPES]
+
+
+def type_tag_of_class(cls: type[msgspec.Struct]) -> str:
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag

@@ -1,0 +1,82 @@
+"""Events in a node's stream (`node/<node_id>`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+HealthState = Literal["healthy", "degraded", "unhealthy", "offline"]
+HealthReason = Literal[
+    "registered",  # first verdict after registration
+    "recovered",  # the condition that changed health has cleared
+    "missed_heartbeats",  # suspect/offline from silence
+    "thermal",  # temperature over the threshold (degraded, with hysteresis)
+    "ecc",  # uncorrectable ECC errors
+    "xid",  # XID errors reported by the driver
+    "driver",  # the GPU probe itself fails
+    "partition",  # reachable by some parties and not others
+    "gateway_suspicion",  # a gateway ejected the node's replicas
+]
+
+
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Static facts about one GPU, read once at registration."""
+
+    index: int
+    uuid: str
+    model: str
+    vram_mib: int
+
+
+class GpuMetrics(msgspec.Struct, frozen=True, kw_only=True):
+    """One GPU's live readings, carried in every heartbeat."""
+
+    index: int
+    temperature_c: float = 0.0
+    utilization_pct: float = 0.0
+    memory_used_mib: int = 0
+    memory_total_mib: int = 0
+    ecc_uncorrected: int = 0
+    xid_errors: int = 0
+    throttle_reasons: tuple[str, ...] = ()
+    power_w: float = 0.0
+
+
+class NodeRegistered(msgspec.Struct, frozen=True, kw_only=True, tag="node.registered.v1"):
+    node_id: str
+    hostname: str = ""
+    address: str = ""  # where the node's workloads are reachable (host)
+    region: str = ""
+    zone: str = ""
+    labels: dict[str, str] = {}
+    gpus: tuple[GpuInfo, ...] = ()
+    driver_version: str = ""
+    cuda_version: str = ""
+    agent_version: str = ""
+    price_per_hour: float = 0.0
+
+
+class NodeHeartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="node.heartbeat.v1"):
+    node_id: str
+    seq: int  # the agent's own counter, to spot reordering and restarts
+    gpus: tuple[GpuMetrics, ...] = ()
+    probe_error: str = ""  # non-empty when the GPU probe failed this time
+    running: tuple[str, ...] = ()  # replica ids ("<replica>@<epoch>") the agent runs
+
+
+class NodeHealthChanged(msgspec.Struct, frozen=True, kw_only=True, tag="node.health_changed.v1"):
+    node_id: str
+    state: HealthState
+    reason: HealthReason
+    detail: str = ""
+
+
+class NodeDrained(msgspec.Struct, frozen=True, kw_only=True, tag="node.drained.v1"):
+    node_id: str
+    reason: str = ""
+
+
+class NodeRemoved(msgspec.Struct, frozen=True, kw_only=True, tag="node.removed.v1"):
+    node_id: str
+    reason: str = ""

@@ -1,0 +1,71 @@
+"""Events in a replica's stream (`replica/<replica_id>`).
+
+A replica id names a slot of a cluster; each placement of that slot carries a higher epoch.
+Events of an older epoch than the latest placement are stale and every fold ignores them:
+that is what fences a node that comes back from a partition.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FailureReason = Literal[
+    "node_offline",  # the node stopped heartbeating
+    "node_unhealthy",  # driver, ECC or XID errors on the node
+    "workload_exited",  # the process died
+    "readiness_timeout",  # it never answered its health path in time
+    "liveness_failed",  # it answered, then stopped answering
+    "start_failed",  # the driver could not start it at all
+    "superseded",  # a newer epoch of the slot exists
+]
+
+
+class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+    """One node the scheduler considered, with its score or why it was filtered out."""
+
+    node_id: str
+    score: float = 0.0
+    rejected: str = ""
+
+
+class ReplicaPlaced(msgspec.Struct, frozen=True, kw_only=True, tag="replica.placed.v1"):
+    replica_id: str
+    cluster: str
+    node_id: str
+    gpu_indices: tuple[int, ...] = ()
+    epoch: int
+    why: str = ""  # the winner and why, in one line
+    candidates: tuple[Candidate, ...] = ()  # the others, in summary
+
+
+class ReplicaStarting(msgspec.Struct, frozen=True, kw_only=True, tag="replica.starting.v1"):
+    replica_id: str
+    epoch: int
+    port: int = 0
+
+
+class ReplicaReady(msgspec.Struct, frozen=True, kw_only=True, tag="replica.ready.v1"):
+    replica_id: str
+    epoch: int
+    address: str  # base URL, e.g. http://127.0.0.1:8001
+
+
+class ReplicaFailed(msgspec.Struct, frozen=True, kw_only=True, tag="replica.failed.v1"):
+    replica_id: str
+    epoch: int
+    reason: FailureReason
+    detail: str = ""
+
+
+class ReplicaStopping(msgspec.Struct, frozen=True, kw_only=True, tag="replica.stopping.v1"):
+    replica_id: str
+    epoch: int
+    reason: str = ""
+
+
+class ReplicaStopped(msgspec.Struct, frozen=True, kw_only=True, tag="replica.stopped.v1"):
+    replica_id: str
+    epoch: int
+    exit_code: int | None = None

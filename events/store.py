@@ -1,0 +1,68 @@
+"""The EventStore protocol that actors, projectors and the simulator program against."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+import msgspec
+
+from .envelope import Envelope, NewEvent
+
+NO_STREAM = 0
+"""Expected version for a stream that must not exist yet."""
+
+ANY = -1
+"""Expected version that skips the check: admin and migration tools only."""
+
+
+class Snapshot(msgspec.Struct, frozen=True, kw_only=True):
+    """A cache of a fold's state at a version. Deleting every snapshot changes no behaviour."""
+
+    stream: str
+    version: int
+    schema: str  # which state type and version is encoded in `state`
+    state: bytes
+
+
+class EventStore(Protocol):
+    async def append(
+        self, stream: str, events: Sequence[NewEvent], expected_version: int
+    ) -> list[int]:
+        """Append atomically; return the global positions.
+
+        Raises ConcurrencyConflict when the stream is not at `expected_version`. Re-appending
+        events whose ids are already stored returns their positions and writes nothing.
+        """
+        ...
+
+    async def read_stream(self, stream: str, from_version: int = 1) -> list[Envelope]: ...
+
+    async def stream_version(self, stream: str) -> int:
+        """The stream's last version; 0 when it has no events."""
+        ...
+
+    async def read_all(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
+        """Events with position >= from_position, in commit order, at most `limit`."""
+        ...
+
+    def subscribe(self, from_position: int = 1) -> AsyncIterator[Envelope]:
+        """Catch up from `from_position`, then follow live: no gap, no duplicate."""
+        ...
+
+    async def head(self) -> int:
+        """The highest committed position (0 for an empty log)."""
+        ...
+
+    async def compact_heartbeats(self, older_than_ns: int) -> int:
+        """Delete heartbeats recorded before `older_than_ns`, keeping each node's latest.
+
+        Returns the number removed. No projection changes: folds keep only the latest heartbeat.
+        """
+        ...
+
+    async def save_snapshot(self, snapshot: Snapshot) -> None: ...
+
+    async def load_snapshot(self, stream: str) -> Snapshot | None: ...
+
+    async def close(self) -> None: ...
