@@ -15,7 +15,7 @@ from .catalog import DomainEvent
 from .envelope import Envelope, Undecodable
 
 _encoder = msgspec.json.Encoder()
-_decoder = msgspec.json.Decoder(DomainEvent)
+_decoder: msgspec.json.Decoder[DomainEvent] = msgspec.json.Decoder(DomainEvent)
 _envelope_encoder = msgspec.json.Encoder()
 _envelope_decoder = msgspec.json.Decoder(Envelope)
 
@@ -49,7 +49,8 @@ def _upcast(type_tag: str, data: bytes) -> DomainEvent:
         seen += 1
         if seen > 64:
             raise ValueError(f"upcaster loop from {type_tag}")
-    return msgspec.convert(raw, DomainEvent)
+    event: DomainEvent = msgspec.convert(raw, DomainEvent)
+    return event
 
 
 def encode_envelope(envelope: Envelope) -> bytes:

@@ -1,0 +1,131 @@
+"""The only door from an actor to the outside world.
+
+An actor gets time, randomness, messaging, storage and logging from its Env and from nothing
+else; ruff's banned-api rule (pyproject.toml) and tests/test_determinism_rules.py hold this.
+The real implementations live in actors/real_env.py, the simulated ones in sim/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, MutableSequence, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, TypeVar
+
+import msgspec
+import structlog
+
+from events import DomainEvent, EventStore, NewEvent, new_event
+from events.ids import uuid7
+
+T = TypeVar("T")
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float:
+        """Seconds on the running loop's clock: virtual in the simulator."""
+        ...
+
+    def wall_ns(self) -> int:
+        """Nanoseconds since the Unix epoch, for event stamps."""
+        ...
+
+
+class RandomSource(Protocol):
+    """The subset of random.Random that actors use. Always seeded, never the module-level one."""
+
+    def random(self) -> float: ...
+    def uniform(self, a: float, b: float, /) -> float: ...
+    def randint(self, a: int, b: int, /) -> int: ...
+    def getrandbits(self, k: int, /) -> int: ...
+    def choice(self, seq: Sequence[T], /) -> T: ...
+    def shuffle(self, x: MutableSequence[Any], /) -> None: ...
+
+
+class Msg(msgspec.Struct, frozen=True, kw_only=True):
+    """A message as delivered by a Bus (NATS semantics)."""
+
+    subject: str
+    data: bytes
+    reply: str = ""
+    headers: dict[str, str] | None = None
+
+
+class Subscription(Protocol):
+    def __aiter__(self) -> AsyncIterator[Msg]: ...
+    async def unsubscribe(self) -> None: ...
+
+
+class Bus(Protocol):
+    """Publish/subscribe/request with NATS subject semantics (`*`, `>`, queue groups)."""
+
+    async def publish(
+        self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
+    ) -> None: ...
+
+    async def subscribe(self, subject: str, *, queue: str = "") -> Subscription: ...
+
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> Msg: ...
+
+
+class NoBus:
+    """A bus for actors that need none: every call says so."""
+
+    async def publish(
+        self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
+    ) -> None:
+        raise RuntimeError("this Env has no bus")
+
+    async def subscribe(self, subject: str, *, queue: str = "") -> Subscription:
+        raise RuntimeError("this Env has no bus")
+
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> Msg:
+        raise RuntimeError("this Env has no bus")
+
+
+@dataclass(frozen=True, slots=True)
+class Env:
+    """Everything nondeterministic an actor may touch, injected.
+
+    `derive_rng(name)` gives a component its own stream from the root seed, so adding a
+    component does not perturb the draws of the others.
+    """
+
+    clock: Clock
+    rng: RandomSource
+    store: EventStore
+    derive_rng: Callable[[str], RandomSource]
+    bus: Bus = field(default_factory=NoBus)
+    log: Any = field(default_factory=lambda: structlog.get_logger("gpumesh"))
+
+    def new_id(self) -> str:
+        """A time-ordered UUIDv7 from the injected clock and random source."""
+        return uuid7(self.clock.wall_ns(), self.rng)
+
+    def new_event(
+        self, payload: DomainEvent, *, correlation_id: str = "", causation_id: str = ""
+    ) -> NewEvent:
+        return new_event(
+            payload,
+            wall_ns=self.clock.wall_ns(),
+            entropy=self.rng,
+            correlation_id=correlation_id,
+            causation_id=causation_id,
+        )
+
+    def bind(self, **context: object) -> Env:
+        """The same Env with a logger that carries extra context (node, cluster, replica)."""
+        return replace(self, log=self.log.bind(**context))
