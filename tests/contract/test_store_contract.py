@@ -144,8 +144,9 @@ async def test_concurrent_writers_on_one_stream_exactly_one_wins(store: EventSto
 async def test_concurrent_writers_on_many_streams_all_commit_gaplessly(store: EventStore) -> None:
     make = EventMaker()
     appends = [
-        store.append(f"node/n{i}", [make(NodeRegistered(node_id=f"n{i}")), make(hb(f"n{i}", 0))],
-                     NO_STREAM)
+        store.append(
+            f"node/n{i}", [make(NodeRegistered(node_id=f"n{i}")), make(hb(f"n{i}", 0))], NO_STREAM
+        )
         for i in range(200)
     ]
     results = await asyncio.gather(*appends)
@@ -188,14 +189,15 @@ async def test_subscription_ends_when_the_store_closes(store: EventStore) -> Non
     make = EventMaker()
     await store.append("node/a", [make(hb("a", 0))], NO_STREAM)
     got: list[int] = []
+    first = asyncio.Event()
 
     async def consume() -> None:
         async for envelope in store.subscribe():
             got.append(envelope.position)
+            first.set()
 
     task = asyncio.create_task(consume())
-    while not got:
-        await asyncio.sleep(0.001)
+    await asyncio.wait_for(first.wait(), timeout=5)
     await store.close()
     await asyncio.wait_for(task, timeout=5)
     assert got == [1]

@@ -1,0 +1,25 @@
+"""Fold: clusters and their desired spec."""
+
+from __future__ import annotations
+
+import msgspec
+
+from events import ClusterCreated, ClusterDeleted, ClusterScaled, ClusterSpecChanged, Envelope
+
+from .views import Clusters, ClusterView
+
+
+def apply(state: Clusters, envelope: Envelope) -> Clusters:
+    match envelope.payload:
+        case ClusterCreated(spec=spec) | ClusterSpecChanged(spec=spec):
+            state.clusters[spec.name] = ClusterView(spec=spec, version=envelope.version)
+        case ClusterScaled() as scaled:
+            view = state.clusters.get(scaled.name)
+            if view is not None:
+                view.spec = msgspec.structs.replace(view.spec, replicas=scaled.replicas)
+                view.version = envelope.version
+        case ClusterDeleted() as deleted:
+            state.clusters.pop(deleted.name, None)
+        case _:
+            pass
+    return state

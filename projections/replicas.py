@@ -1,0 +1,60 @@
+"""Fold: replicas, their placement, status and epoch.
+
+An event whose epoch is older than the slot's newest placement is stale and ignored: that is
+the fence against a node that returns from a partition still running a superseded replica.
+"""
+
+from __future__ import annotations
+
+from events import (
+    Envelope,
+    ReplicaFailed,
+    ReplicaPlaced,
+    ReplicaReady,
+    ReplicaStarting,
+    ReplicaStopped,
+    ReplicaStopping,
+)
+
+from .views import Replicas, ReplicaView
+
+
+def apply(state: Replicas, envelope: Envelope) -> Replicas:
+    payload = envelope.payload
+    if isinstance(payload, ReplicaPlaced):
+        current = state.replicas.get(payload.replica_id)
+        if current is None or payload.epoch > current.epoch:
+            state.replicas[payload.replica_id] = ReplicaView(
+                replica_id=payload.replica_id,
+                cluster=payload.cluster,
+                node_id=payload.node_id,
+                epoch=payload.epoch,
+                gpu_indices=payload.gpu_indices,
+                why=payload.why,
+                version=envelope.version,
+            )
+        return state
+    if not isinstance(
+        payload, ReplicaStarting | ReplicaReady | ReplicaFailed | ReplicaStopping | ReplicaStopped
+    ):
+        return state
+    view = state.replicas.get(payload.replica_id)
+    if view is None or payload.epoch != view.epoch:
+        return state
+    view.version = envelope.version
+    match payload:
+        case ReplicaStarting(port=port):
+            view.status = "starting"
+            view.port = port
+        case ReplicaReady(address=address):
+            view.status = "ready"
+            view.address = address
+        case ReplicaFailed(reason=reason, detail=detail):
+            view.status = "failed"
+            view.failure_reason = reason
+            view.failure_detail = detail
+        case ReplicaStopping():
+            view.status = "stopping"
+        case ReplicaStopped():
+            view.status = "stopped"
+    return state

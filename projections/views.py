@@ -1,0 +1,102 @@
+"""Read-model shapes. Plain msgspec Structs, so a state compares by value and snapshots cheaply."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from events import ClusterSpec, GpuInfo, GpuMetrics
+from events.node import HealthState
+
+ReplicaStatus = Literal["pending", "placed", "starting", "ready", "failed", "stopping", "stopped"]
+
+
+class NodeView(msgspec.Struct, kw_only=True):
+    node_id: str
+    hostname: str = ""
+    address: str = ""
+    region: str = ""
+    zone: str = ""
+    labels: dict[str, str] = {}
+    gpus: tuple[GpuInfo, ...] = ()
+    driver_version: str = ""
+    cuda_version: str = ""
+    price_per_hour: float = 0.0
+    health: HealthState = "healthy"
+    health_reason: str = "registered"
+    health_detail: str = ""
+    drained: bool = False
+    last_heartbeat_at: int = 0  # recorded_at of the latest heartbeat, ns
+    last_heartbeat_seq: int = 0
+    metrics: tuple[GpuMetrics, ...] = ()
+    probe_error: str = ""
+    running: tuple[str, ...] = ()
+    version: int = 0  # stream version of the last event folded in
+
+
+class ClusterView(msgspec.Struct, kw_only=True):
+    spec: ClusterSpec
+    version: int = 0
+
+
+class ReplicaView(msgspec.Struct, kw_only=True):
+    replica_id: str
+    cluster: str
+    node_id: str
+    epoch: int
+    gpu_indices: tuple[int, ...] = ()
+    status: ReplicaStatus = "placed"
+    port: int = 0
+    address: str = ""
+    failure_reason: str = ""
+    failure_detail: str = ""
+    why: str = ""
+    version: int = 0
+
+
+class Route(msgspec.Struct, frozen=True, kw_only=True):
+    """One ready replica a gateway may send traffic to."""
+
+    replica_id: str
+    node_id: str
+    address: str
+    epoch: int
+
+
+class NodeRegistry(msgspec.Struct, kw_only=True):
+    nodes: dict[str, NodeView] = {}
+
+
+class Clusters(msgspec.Struct, kw_only=True):
+    clusters: dict[str, ClusterView] = {}
+
+
+class Replicas(msgspec.Struct, kw_only=True):
+    replicas: dict[str, ReplicaView] = {}
+
+
+class RoutingTable(msgspec.Struct, kw_only=True):
+    """cluster -> ready replicas on routable nodes, with addresses and epochs.
+
+    `routes` is derived from the other fields and kept up to date so a lookup is one dict get.
+    """
+
+    routes: dict[str, tuple[Route, ...]] = {}
+    live_clusters: dict[str, bool] = {}
+    ready: dict[str, dict[str, Route]] = {}  # cluster -> replica_id -> route
+    replica_cluster: dict[str, str] = {}
+    epochs: dict[str, int] = {}  # replica_id -> newest epoch seen
+    placed_nodes: dict[str, str] = {}  # replica_id -> node of the newest epoch
+    unroutable_nodes: dict[str, str] = {}  # node_id -> why (offline, unhealthy, removed)
+
+
+class FleetState(msgspec.Struct, kw_only=True):
+    """Every projection together, plus where in the log the fold has got to."""
+
+    position: int = 0
+    nodes: NodeRegistry = msgspec.field(default_factory=NodeRegistry)
+    clusters: Clusters = msgspec.field(default_factory=Clusters)
+    replicas: Replicas = msgspec.field(default_factory=Replicas)
+    routing: RoutingTable = msgspec.field(default_factory=RoutingTable)
+    undecodable: list[int] = []  # positions kept raw and skipped
