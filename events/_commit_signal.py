@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from .envelope import Envelope
 
@@ -36,7 +36,7 @@ async def follow(
     signal: CommitSignal,
     from_position: int,
     page: int = 1000,
-) -> AsyncIterator[Envelope]:
+) -> AsyncGenerator[Envelope, None]:
     """Catch up page by page, then wait for commits. Ends quietly when the store closes."""
     next_position = max(1, from_position)
     while True:

@@ -52,3 +52,14 @@ class StoreClosed(EventStoreError):
 
 class StoreIOError(EventStoreError):
     """Any other storage failure, with the driver's message."""
+
+
+class LogNotFound(EventStoreError):
+    """A command was pointed at a data directory with no event log in it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(
+            f"no event log at {path} (start a stack there, run `gpumesh events generate`, "
+            "or pass --data-dir)"
+        )

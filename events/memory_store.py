@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from ._append_rules import check_batch
 from ._commit_signal import CommitSignal, follow
@@ -98,7 +98,7 @@ class MemoryEventStore:
         """The whole log, synchronously (simulator invariants)."""
         return list(self._log)
 
-    def subscribe(self, from_position: int = 1) -> AsyncIterator[Envelope]:
+    def subscribe(self, from_position: int = 1) -> AsyncGenerator[Envelope, None]:
         return follow(self.read_all, self._signal, from_position)
 
     async def head(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Protocol
 
 import msgspec
@@ -46,7 +46,7 @@ class EventStore(Protocol):
         """Events with position >= from_position, in commit order, at most `limit`."""
         ...
 
-    def subscribe(self, from_position: int = 1) -> AsyncIterator[Envelope]:
+    def subscribe(self, from_position: int = 1) -> AsyncGenerator[Envelope, None]:
         """Catch up from `from_position`, then follow live: no gap, no duplicate."""
         ...
 

@@ -248,3 +248,13 @@ async def test_snapshots_round_trip_and_latest_wins(store: EventStore) -> None:
     await store.save_snapshot(Snapshot(stream="node/a", version=9, schema="s1", state=b"y"))
     got = await store.load_snapshot("node/a")
     assert got == Snapshot(stream="node/a", version=9, schema="s1", state=b"y")
+
+
+async def test_queued_appends_to_one_stream_apply_in_call_order(store: EventStore) -> None:
+    """Appends issued back to back with consecutive versions all commit, even in one batch."""
+    make = EventMaker()
+    results = await asyncio.gather(
+        *(store.append("node/a", [make(hb("a", i))], i) for i in range(50))
+    )
+    assert [r[0] for r in results] == list(range(1, 51))
+    assert await store.stream_version("node/a") == 50

@@ -1,0 +1,183 @@
+"""`gpumesh events tail` and `gpumesh events generate`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from .codec import encode_envelope
+from .envelope import Envelope, Undecodable
+from .errors import LogNotFound
+from .synthetic import fleet_history
+
+POLL_SECONDS = 0.2  # another process owns the log, so following it means polling the file
+
+
+def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    tail = commands.add_parser(
+        "tail",
+        parents=list(parents),
+        help="print events, optionally following new ones",
+        description="Print committed events in commit order.",
+    )
+    tail.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    tail.add_argument("--json", action="store_true", help="one JSON envelope per line")
+    tail.add_argument("--stream", help="only this stream, e.g. node/gpu-1 or cluster/llama")
+    tail.add_argument(
+        "--type",
+        dest="type_prefix",
+        help="only types starting with this, e.g. node.health or replica.",
+    )
+    tail.add_argument(
+        "--from-position",
+        type=int,
+        default=None,
+        help="start here (default: the last --limit events)",
+    )
+    tail.add_argument(
+        "--limit",
+        type=int,
+        default=50,
+        help="how many past events to show before following (default 50)",
+    )
+    tail.set_defaults(handler=tail_events)
+
+    gen = commands.add_parser(
+        "generate",
+        parents=list(parents),
+        help="write a synthetic, deterministic fleet history (demos and benchmarks)",
+        description="Append a plausible fleet history: nodes heartbeat, fail and recover; "
+        "replicas are placed and re-placed. The same seed writes the same history.",
+    )
+    gen.add_argument("--nodes", type=int, default=20)
+    gen.add_argument("--clusters", type=int, default=3)
+    gen.add_argument("--events", type=int, default=10_000, help="how many events to write")
+    gen.add_argument("--seed", type=int, default=1)
+    gen.add_argument("--json", action="store_true", help="print the summary as JSON")
+    gen.set_defaults(handler=generate_events)
+
+
+async def _open(path: Path, *, create: bool = False) -> Any:
+    from .sqlite_store import SqliteEventStore
+
+    if not create and not path.exists():
+        raise LogNotFound(str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return await SqliteEventStore.open(path)
+
+
+def _matches(envelope: Envelope, args: argparse.Namespace) -> bool:
+    if args.stream and envelope.stream != args.stream:
+        return False
+    return not (args.type_prefix and not envelope.type.startswith(args.type_prefix))
+
+
+def format_line(envelope: Envelope) -> str:
+    """One readable line: position, time, stream@version, type, the payload's salient fields."""
+    at = datetime.fromtimestamp(envelope.recorded_at / 1e9, tz=UTC)
+    stamp = at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+    if isinstance(envelope.payload, Undecodable):
+        detail = f"UNDECODABLE ({envelope.payload.error}) raw={envelope.payload.raw[:60]!r}"
+    else:
+        detail = _summarise(msgspec.structs.asdict(envelope.payload))
+    return (
+        f"{envelope.position:>9}  {stamp}  {envelope.stream}@{envelope.version}  "
+        f"{envelope.type}  {detail}"
+    )
+
+
+def _summarise(fields: dict[str, Any]) -> str:
+    parts = []
+    for key, value in fields.items():
+        if value in ("", (), {}, None):
+            continue
+        if isinstance(value, tuple | list | dict) and not all(
+            isinstance(v, str | int | float) for v in value
+        ):
+            parts.append(f"{key}=[{len(value)}]")
+        elif isinstance(value, msgspec.Struct):
+            parts.append(f"{key}={_summarise(msgspec.structs.asdict(value))}")
+        else:
+            text = ",".join(map(str, value)) if isinstance(value, tuple | list) else str(value)
+            parts.append(f"{key}={text[:80]}")
+    return " ".join(parts)
+
+
+async def tail_events(args: argparse.Namespace) -> int:
+    store = await _open(args.events_db)
+    out = sys.stdout
+    try:
+        head = await store.head()
+        position = (
+            args.from_position if args.from_position is not None else max(1, head - args.limit + 1)
+        )
+        while True:
+            page = await store.read_all(position, 5_000)
+            for envelope in page:
+                if _matches(envelope, args):
+                    out.write(
+                        encode_envelope(envelope).decode() + "\n"
+                        if args.json
+                        else format_line(envelope) + "\n"
+                    )
+            out.flush()
+            if page:
+                position = page[-1].position + 1
+                continue
+            if not args.follow:
+                return 0
+            await asyncio.sleep(POLL_SECONDS)
+    finally:
+        await store.close()
+
+
+async def generate_events(args: argparse.Namespace) -> int:
+    store = await _open(args.events_db, create=True)
+    started = time.perf_counter()
+    written = 0
+    try:
+        if await store.head() > 0:
+            print(
+                f"gpumesh: note: {args.events_db} already has events; appending a new history "
+                "needs an empty log, so nothing was written",
+                file=sys.stderr,
+            )
+            return 1
+        pending: list[Any] = []
+        for step in fleet_history(
+            random.Random(args.seed), nodes=args.nodes, clusters=args.clusters, limit=args.events
+        ):
+            pending.append(store.append(step.stream, [step.event], step.expected_version))
+            if len(pending) >= 1_000:
+                await asyncio.gather(*pending)
+                written += len(pending)
+                pending.clear()
+                if sys.stderr.isatty():
+                    print(f"\r{written}/{args.events} events", end="", file=sys.stderr)
+        await asyncio.gather(*pending)
+        written += len(pending)
+    finally:
+        await store.close()
+    elapsed = time.perf_counter() - started
+    summary = {
+        "events": written,
+        "seconds": round(elapsed, 3),
+        "path": str(args.events_db),
+        "seed": args.seed,
+    }
+    if args.json:
+        print(msgspec.json.encode(summary).decode())
+    else:
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
+        print(f"wrote {written} events to {args.events_db} in {elapsed:.2f} s (seed {args.seed})")
+    return 0

@@ -1,0 +1,5 @@
+import sys
+
+from gpumesh.cli import main
+
+sys.exit(main())

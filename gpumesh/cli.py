@@ -1,0 +1,100 @@
+"""The `gpumesh` command: parses arguments and hands each subcommand to the package it drives.
+
+This is the composition root, the one place allowed to import every package. Each package owns
+its subcommands in its own cli module (`events/cli.py`, `projections/cli.py`, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+from events import EventStoreError
+
+from . import __version__
+from .logconfig import configure_logging
+
+Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
+
+
+def default_data_dir() -> Path:
+    """$GPUMESH_DATA_DIR, else $XDG_DATA_HOME/gpumesh, else ~/.local/share/gpumesh."""
+    explicit = os.environ.get("GPUMESH_DATA_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "gpumesh"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # Common options are accepted before or after the subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--data-dir",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="where the stack keeps its event log, read model and logs "
+        f"(default: $GPUMESH_DATA_DIR or {default_data_dir()})",
+    )
+    common.add_argument(
+        "--log-level",
+        default=argparse.SUPPRESS,
+        choices=["debug", "info", "warning", "error"],
+        help="default: info",
+    )
+    common.add_argument(
+        "--log-format",
+        default=argparse.SUPPRESS,
+        choices=["auto", "json", "console"],
+        help="auto: JSON unless stderr is a terminal",
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="gpumesh",
+        description="gpumesh: one fault-tolerant inference service from many unreliable GPUs.",
+        parents=[common],
+    )
+    parser.add_argument("--version", action="version", version=f"gpumesh {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    from events import cli as events_cli
+    from projections import cli as projections_cli
+
+    events_group = commands.add_parser(
+        "events",
+        help="inspect, generate and rebuild the event log",
+        parents=[common],
+        description="The event log is the truth: every heartbeat, failure and placement.",
+    )
+    events_commands = events_group.add_subparsers(
+        dest="events_command", metavar="SUBCOMMAND", required=True
+    )
+    events_cli.register(events_commands, [common])
+    projections_cli.register(events_commands, [common])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.data_dir = getattr(args, "data_dir", None) or default_data_dir()
+    args.events_db = args.data_dir / "events.db"
+    args.read_model_db = args.data_dir / "projections.db"
+    fmt = getattr(args, "log_format", "auto")
+    configure_logging(
+        level=getattr(args, "log_level", "info"), json=None if fmt == "auto" else fmt == "json"
+    )
+    handler: Handler = args.handler
+    try:
+        return asyncio.run(handler(args))
+    except KeyboardInterrupt:
+        return 130
+    except (EventStoreError, OSError) as exc:
+        # Expected failures (no log, full disk, unreadable file) are one line, not a traceback.
+        print(f"gpumesh: error: {exc}", file=sys.stderr)
+        return 1
