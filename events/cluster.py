@@ -5,13 +5,13 @@ from __future__ import annotations
 import msgspec
 
 
-class GpuRequirement(msgspec.Struct, frozen=True, kw_only=True):
+class GpuRequirement(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     models: tuple[str, ...] = ()  # accepted GPU models; empty accepts any
     min_vram_mib: int = 0
     count: int = 1  # GPUs per replica
 
 
-class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
+class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a user declares: what to run, on which GPUs, how many replicas."""
 
     name: str
@@ -27,19 +27,27 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True):
     labels: dict[str, str] = {}  # node labels a placement requires
 
 
-class ClusterCreated(msgspec.Struct, frozen=True, kw_only=True, tag="cluster.created.v1"):
+class ClusterCreated(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.created.v1"
+):
     spec: ClusterSpec
 
 
-class ClusterSpecChanged(msgspec.Struct, frozen=True, kw_only=True, tag="cluster.spec_changed.v1"):
+class ClusterSpecChanged(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.spec_changed.v1"
+):
     spec: ClusterSpec
 
 
-class ClusterScaled(msgspec.Struct, frozen=True, kw_only=True, tag="cluster.scaled.v1"):
+class ClusterScaled(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.scaled.v1"
+):
     name: str
     replicas: int
     previous: int = 0
 
 
-class ClusterDeleted(msgspec.Struct, frozen=True, kw_only=True, tag="cluster.deleted.v1"):
+class ClusterDeleted(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.deleted.v1"
+):
     name: str

@@ -20,7 +20,7 @@ HealthReason = Literal[
 ]
 
 
-class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Static facts about one GPU, read once at registration."""
 
     index: int
@@ -29,7 +29,7 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     vram_mib: int
 
 
-class GpuMetrics(msgspec.Struct, frozen=True, kw_only=True):
+class GpuMetrics(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One GPU's live readings, carried in every heartbeat."""
 
     index: int
@@ -43,7 +43,9 @@ class GpuMetrics(msgspec.Struct, frozen=True, kw_only=True):
     power_w: float = 0.0
 
 
-class NodeRegistered(msgspec.Struct, frozen=True, kw_only=True, tag="node.registered.v1"):
+class NodeRegistered(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.registered.v1"
+):
     node_id: str
     hostname: str = ""
     address: str = ""  # where the node's workloads are reachable (host)
@@ -57,7 +59,9 @@ class NodeRegistered(msgspec.Struct, frozen=True, kw_only=True, tag="node.regist
     price_per_hour: float = 0.0
 
 
-class NodeHeartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="node.heartbeat.v1"):
+class NodeHeartbeat(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.heartbeat.v1"
+):
     node_id: str
     seq: int  # the agent's own counter, to spot reordering and restarts
     gpus: tuple[GpuMetrics, ...] = ()
@@ -65,18 +69,24 @@ class NodeHeartbeat(msgspec.Struct, frozen=True, kw_only=True, tag="node.heartbe
     running: tuple[str, ...] = ()  # replica ids ("<replica>@<epoch>") the agent runs
 
 
-class NodeHealthChanged(msgspec.Struct, frozen=True, kw_only=True, tag="node.health_changed.v1"):
+class NodeHealthChanged(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.health_changed.v1"
+):
     node_id: str
     state: HealthState
     reason: HealthReason
     detail: str = ""
 
 
-class NodeDrained(msgspec.Struct, frozen=True, kw_only=True, tag="node.drained.v1"):
+class NodeDrained(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.drained.v1"
+):
     node_id: str
     reason: str = ""
 
 
-class NodeRemoved(msgspec.Struct, frozen=True, kw_only=True, tag="node.removed.v1"):
+class NodeRemoved(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.removed.v1"
+):
     node_id: str
     reason: str = ""

@@ -22,7 +22,7 @@ FailureReason = Literal[
 ]
 
 
-class Candidate(msgspec.Struct, frozen=True, kw_only=True):
+class Candidate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One node the scheduler considered, with its score or why it was filtered out."""
 
     node_id: str
@@ -30,7 +30,9 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True):
     rejected: str = ""
 
 
-class ReplicaPlaced(msgspec.Struct, frozen=True, kw_only=True, tag="replica.placed.v1"):
+class ReplicaPlaced(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.placed.v1"
+):
     replica_id: str
     cluster: str
     node_id: str
@@ -40,32 +42,42 @@ class ReplicaPlaced(msgspec.Struct, frozen=True, kw_only=True, tag="replica.plac
     candidates: tuple[Candidate, ...] = ()  # the others, in summary
 
 
-class ReplicaStarting(msgspec.Struct, frozen=True, kw_only=True, tag="replica.starting.v1"):
+class ReplicaStarting(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.starting.v1"
+):
     replica_id: str
     epoch: int
     port: int = 0
 
 
-class ReplicaReady(msgspec.Struct, frozen=True, kw_only=True, tag="replica.ready.v1"):
+class ReplicaReady(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.ready.v1"
+):
     replica_id: str
     epoch: int
     address: str  # base URL, e.g. http://127.0.0.1:8001
 
 
-class ReplicaFailed(msgspec.Struct, frozen=True, kw_only=True, tag="replica.failed.v1"):
+class ReplicaFailed(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.failed.v1"
+):
     replica_id: str
     epoch: int
     reason: FailureReason
     detail: str = ""
 
 
-class ReplicaStopping(msgspec.Struct, frozen=True, kw_only=True, tag="replica.stopping.v1"):
+class ReplicaStopping(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.stopping.v1"
+):
     replica_id: str
     epoch: int
     reason: str = ""
 
 
-class ReplicaStopped(msgspec.Struct, frozen=True, kw_only=True, tag="replica.stopped.v1"):
+class ReplicaStopped(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.stopped.v1"
+):
     replica_id: str
     epoch: int
     exit_code: int | None = None

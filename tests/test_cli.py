@@ -1,0 +1,132 @@
+"""The `gpumesh` command as a user runs it: real files, real subprocess where it matters."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpumesh.cli import build_parser, main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_rebuild_tail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = str(tmp_path)
+    code, out, _ = run(
+        capsys,
+        "events",
+        "generate",
+        "--data-dir",
+        data,
+        "--events",
+        "3000",
+        "--nodes",
+        "10",
+        "--json",
+    )
+    assert code == 0
+    assert json.loads(out)["events"] == 3000
+
+    code, out, _ = run(capsys, "--data-dir", data, "events", "rebuild", "--json")
+    assert code == 0
+    summary = json.loads(out)
+    assert summary["events"] == 3000 and summary["position"] == 3000
+    assert summary["nodes"] == 10 and summary["clusters"] == 3
+    assert summary["routes"] == 9  # 3 clusters x 3 ready replicas
+    assert summary["undecodable_positions"] == []
+    with sqlite3.connect(tmp_path / "projections.db") as db:
+        assert db.execute("SELECT position FROM checkpoints").fetchone() == (3000,)
+        assert db.execute("SELECT count(*) FROM nodes").fetchone() == (10,)
+
+    code, out, _ = run(capsys, "events", "tail", "--data-dir", data, "--limit", "5", "--json")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [e["position"] for e in lines] == [2996, 2997, 2998, 2999, 3000]
+
+    code, out, _ = run(
+        capsys,
+        "events",
+        "tail",
+        "--data-dir",
+        data,
+        "--from-position",
+        "1",
+        "--type",
+        "replica.placed",
+        "--limit",
+        "1000",
+    )
+    assert code == 0
+    placed = out.splitlines()
+    assert len(placed) >= 9
+    assert all("replica.placed.v1" in line and "epoch=" in line for line in placed)
+
+    code, out, _ = run(
+        capsys,
+        "events",
+        "tail",
+        "--data-dir",
+        data,
+        "--from-position",
+        "1",
+        "--stream",
+        "cluster/cluster-0",
+        "--json",
+    )
+    assert [json.loads(line)["type"] for line in out.splitlines()] == ["cluster.created.v1"]
+
+
+def test_rebuild_reports_a_corrupt_row_and_keeps_going(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(capsys, "events", "generate", "--data-dir", str(tmp_path), "--events", "500")[0] == 0
+    with sqlite3.connect(tmp_path / "events.db") as db:
+        db.execute("UPDATE events SET data = x'7b6e6f7065' WHERE position = 100")
+    code, out, err = run(capsys, "events", "rebuild", "--data-dir", str(tmp_path))
+    assert code == 0
+    assert "rebuilt 500 events" in out
+    assert "1 undecodable events kept raw at positions 100" in err
+    code, out, _ = run(
+        capsys,
+        "events",
+        "tail",
+        "--data-dir",
+        str(tmp_path),
+        "--from-position",
+        "100",
+        "--limit",
+        "1",
+    )
+    assert "UNDECODABLE" in out.splitlines()[0]
+
+
+def test_missing_log_is_one_clear_line(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpumesh", "events", "tail", "--data-dir", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0
+    assert proc.stderr.startswith("gpumesh: error: no event log at ")
+
+
+def test_every_subcommand_has_help() -> None:
+    parser = build_parser()
+    for argv in (["events", "tail"], ["events", "rebuild"], ["events", "generate"]):
+        sub = parser
+        for word in argv:
+            actions = [a for a in sub._actions if a.__class__.__name__ == "_SubParsersAction"]
+            sub = actions[0].choices[word]  # type: ignore[attr-defined]
+        assert sub.description, argv
+        assert "--data-dir" in sub.format_help()
