@@ -1,0 +1,163 @@
+"""Wire messages on the NATS subjects (events/subjects.py): msgspec JSON, tagged, versioned.
+
+These are not events: they are requests and reports between processes. The controller turns
+the facts they carry into events after validating them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeAlias
+
+import msgspec
+
+from .cluster import ClusterSpec
+from .node import GpuInfo, GpuMetrics
+
+ReplicaRunState = Literal["starting", "ready", "failed", "stopped"]
+
+
+class ReplicaState(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What an agent knows about one replica it runs (or ran)."""
+
+    replica_id: str
+    epoch: int
+    state: ReplicaRunState
+    port: int = 0
+    address: str = ""
+    detail: str = ""
+    exit_code: int | None = None
+
+
+class Register(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="register.v1"):
+    """Agent -> controller, request/reply, on connect and on every reconnect."""
+
+    node_id: str
+    hostname: str = ""
+    address: str = ""
+    region: str = ""
+    zone: str = ""
+    labels: dict[str, str] = {}
+    gpus: tuple[GpuInfo, ...] = ()
+    driver_version: str = ""
+    cuda_version: str = ""
+    agent_version: str = ""
+    price_per_hour: float = 0.0
+    replicas: tuple[ReplicaState, ...] = ()  # what it runs now, so the controller reconciles
+
+
+class RegisterReply(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="register_reply.v1"
+):
+    accepted: bool
+    heartbeat_interval_s: float = 1.0
+    error: str = ""
+
+
+class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="heartbeat.v1"):
+    """Agent -> controller, every heartbeat interval."""
+
+    node_id: str
+    seq: int
+    gpus: tuple[GpuMetrics, ...] = ()
+    probe_error: str = ""
+    replicas: tuple[ReplicaState, ...] = ()
+
+
+class ReplicaReport(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica_report.v1"
+):
+    """Agent -> controller, at once when a replica changes state (not waiting for a heartbeat)."""
+
+    node_id: str
+    replica: ReplicaState
+
+
+class StartReplica(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cmd.start.v1"
+):
+    command_id: str
+    replica_id: str
+    epoch: int
+    spec: ClusterSpec
+    gpu_indices: tuple[int, ...] = ()
+    port: int = 0
+
+
+class StopReplica(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cmd.stop.v1"):
+    command_id: str
+    replica_id: str
+    epoch: int
+    reason: str = ""
+    grace_s: float = 10.0
+
+
+Command: TypeAlias = StartReplica | StopReplica
+
+FaultKind = Literal["thermal", "driver", "ecc", "xid", "clear"]
+
+
+class Fault(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="fault.v1"):
+    """Chaos -> agent, request/reply: drive a fake GPU (`gpumesh agent fault NODE thermal 95`)."""
+
+    kind: FaultKind
+    value: float = 0.0
+    gpu: int = -1  # -1: every GPU
+
+
+class FaultReply(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="fault_reply.v1"
+):
+    ok: bool
+    error: str = ""
+
+
+class RouteEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    replica_id: str
+    node_id: str
+    address: str
+    epoch: int
+
+
+class RoutingUpdate(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="routing.v1"
+):
+    """Controller -> gateways: the whole table at a log position (small; idempotent to apply)."""
+
+    position: int
+    routes: dict[str, tuple[RouteEntry, ...]] = {}
+
+
+class ApiReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="api_reply.v1"):
+    """Every control API reply. `error` is one line; `data` is the verb's JSON result."""
+
+    ok: bool
+    error: str = ""
+    data: Any = None
+
+
+class ScaleRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    name: str
+    replicas: int
+
+
+class NameRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    name: str
+
+
+class DrainRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    node_id: str
+
+
+WireMessage: TypeAlias = (
+    Register
+    | RegisterReply
+    | Heartbeat
+    | ReplicaReport
+    | StartReplica
+    | StopReplica
+    | Fault
+    | FaultReply
+    | RoutingUpdate
+    | ApiReply
+)
+CreateClusterRequest = ClusterSpec

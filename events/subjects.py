@@ -1,0 +1,84 @@
+"""The NATS subject contract, version 1. docs/subjects.md documents each subject and payload.
+
+Changing a subject or a payload's meaning means a new version prefix (`gpumesh.v2`), never an
+edit here: integrators subscribe to these names.
+"""
+
+from __future__ import annotations
+
+from .catalog import check_stream
+
+VERSION = "v1"
+PREFIX = f"gpumesh.{VERSION}"
+
+# JetStream streams.
+EVENTS_STREAM = "GPUMESH_EVENTS"  # every committed event, for replay by integrators
+COMMANDS_STREAM = "GPUMESH_COMMANDS"  # durable per-node command queues
+
+# Agent -> controller.
+HEARTBEAT_ALL = f"{PREFIX}.node.*.heartbeat"
+REGISTER_ALL = f"{PREFIX}.node.*.register"
+REPORT_ALL = f"{PREFIX}.node.*.report"
+
+# Controller -> agent (JetStream), and chaos -> agent (request/reply).
+COMMAND_ALL = f"{PREFIX}.node.*.cmd"
+
+# Events, published after commit: gpumesh.v1.events.<kind>.<id>
+EVENTS_ALL = f"{PREFIX}.events.>"
+
+# Controller -> gateways.
+ROUTING = f"{PREFIX}.routing"
+
+# Control API, request/reply: gpumesh.v1.api.<verb>
+API_ALL = f"{PREFIX}.api.>"
+API_VERBS = (
+    "cluster.create",
+    "cluster.list",
+    "cluster.get",
+    "cluster.scale",
+    "cluster.delete",
+    "node.list",
+    "node.drain",
+    "routing.get",
+)
+
+
+def heartbeat(node_id: str) -> str:
+    return f"{PREFIX}.node.{node_id}.heartbeat"
+
+
+def register(node_id: str) -> str:
+    return f"{PREFIX}.node.{node_id}.register"
+
+
+def report(node_id: str) -> str:
+    return f"{PREFIX}.node.{node_id}.report"
+
+
+def command(node_id: str) -> str:
+    return f"{PREFIX}.node.{node_id}.cmd"
+
+
+def fault(node_id: str) -> str:
+    return f"{PREFIX}.node.{node_id}.fault"
+
+
+def event(stream: str) -> str:
+    """`node/gpu-1` -> `gpumesh.v1.events.node.gpu-1`."""
+    check_stream(stream)
+    kind, _, ident = stream.partition("/")
+    return f"{PREFIX}.events.{kind}.{ident}"
+
+
+def api(verb: str) -> str:
+    if verb not in API_VERBS:
+        raise ValueError(f"unknown API verb {verb!r}; known: {', '.join(API_VERBS)}")
+    return f"{PREFIX}.api.{verb}"
+
+
+def node_of(subject: str) -> str:
+    """The node id token of a `gpumesh.v1.node.<id>.<kind>` subject ('' if it is not one)."""
+    parts = subject.split(".")
+    if len(parts) == 5 and parts[0] == "gpumesh" and parts[1] == VERSION and parts[2] == "node":
+        return parts[3]
+    return ""
