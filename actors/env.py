@@ -50,6 +50,27 @@ class Msg(msgspec.Struct, frozen=True, kw_only=True):
     headers: dict[str, str] | None = None
 
 
+class BusError(Exception):
+    """Root of the errors a Bus raises; adapters translate their driver's errors to these."""
+
+
+class NoResponders(BusError):
+    """A request found nobody subscribed to its subject."""
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+        super().__init__(f"no responders on {subject}")
+
+
+class RequestTimeout(BusError, TimeoutError):
+    """A request got no reply in time."""
+
+    def __init__(self, subject: str, timeout: float) -> None:
+        self.subject = subject
+        self.timeout = timeout
+        super().__init__(f"no reply on {subject} within {timeout:g} s")
+
+
 class Subscription(Protocol):
     def __aiter__(self) -> AsyncIterator[Msg]: ...
     async def unsubscribe(self) -> None: ...

@@ -1,0 +1,124 @@
+"""An in-memory Bus with NATS subject semantics: `*` and `>` wildcards, queue groups, request/reply.
+
+Deliveries happen in subscription order and queue-group members are chosen round-robin, so a
+run is reproducible. The simulator's fault layer (latency, loss, partitions) wraps this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+
+from actors.env import Msg, NoResponders, RequestTimeout
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS matching: `*` is exactly one token, `>` one or more trailing tokens."""
+    p_tokens = pattern.split(".")
+    s_tokens = subject.split(".")
+    for i, token in enumerate(p_tokens):
+        if token == ">":
+            return len(s_tokens) > i
+        if i >= len(s_tokens) or (token != "*" and token != s_tokens[i]):
+            return False
+    return len(p_tokens) == len(s_tokens)
+
+
+class MemorySubscription:
+    def __init__(self, bus: MemoryBus, subject: str, queue: str, sid: int) -> None:
+        self.bus = bus
+        self.subject = subject
+        self.queue = queue
+        self.sid = sid
+        self._inbox: asyncio.Queue[Msg | None] = asyncio.Queue()
+        self.closed = False
+
+    def deliver(self, msg: Msg) -> None:
+        if not self.closed:
+            self._inbox.put_nowait(msg)
+
+    def __aiter__(self) -> AsyncIterator[Msg]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Msg]:
+        while True:
+            msg = await self._inbox.get()
+            if msg is None:
+                return
+            yield msg
+
+    async def next_msg(self, timeout: float) -> Msg:
+        async with asyncio.timeout(timeout):
+            msg = await self._inbox.get()
+        if msg is None:
+            raise asyncio.CancelledError("subscription closed")
+        return msg
+
+    async def unsubscribe(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.bus._remove(self)
+            self._inbox.put_nowait(None)
+
+
+class MemoryBus:
+    def __init__(self) -> None:
+        self._subs: list[MemorySubscription] = []
+        self._sids = itertools.count(1)
+        self._inboxes = itertools.count(1)
+        self._round_robin: dict[tuple[str, str], int] = {}
+        self.published = 0
+
+    async def publish(
+        self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
+    ) -> None:
+        self.deliver(Msg(subject=subject, data=data, reply=reply, headers=headers))
+
+    def deliver(self, msg: Msg) -> int:
+        """Hand `msg` to every matching subscriber (one per queue group); return how many."""
+        self.published += 1
+        groups: dict[tuple[str, str], list[MemorySubscription]] = {}
+        delivered = 0
+        for sub in list(self._subs):
+            if not subject_matches(sub.subject, msg.subject):
+                continue
+            if sub.queue:
+                groups.setdefault((sub.subject, sub.queue), []).append(sub)
+            else:
+                sub.deliver(msg)
+                delivered += 1
+        for key, members in groups.items():
+            turn = self._round_robin.get(key, 0)
+            self._round_robin[key] = turn + 1
+            members[turn % len(members)].deliver(msg)
+            delivered += 1
+        return delivered
+
+    async def subscribe(self, subject: str, *, queue: str = "") -> MemorySubscription:
+        sub = MemorySubscription(self, subject, queue, next(self._sids))
+        self._subs.append(sub)
+        return sub
+
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> Msg:
+        inbox = f"_INBOX.{next(self._inboxes)}"
+        sub = await self.subscribe(inbox)
+        try:
+            if self.deliver(Msg(subject=subject, data=data, reply=inbox, headers=headers)) == 0:
+                raise NoResponders(subject)
+            try:
+                return await sub.next_msg(timeout)
+            except TimeoutError:
+                raise RequestTimeout(subject, timeout) from None
+        finally:
+            await sub.unsubscribe()
+
+    def _remove(self, sub: MemorySubscription) -> None:
+        self._subs.remove(sub)

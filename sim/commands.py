@@ -1,0 +1,64 @@
+"""An in-memory CommandQueue with the durable semantics of the JetStream one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from events.messages import Command
+
+
+@dataclass
+class _NodeQueue:
+    commands: list[Command] = field(default_factory=list)
+    acked: int = 0  # commands[:acked] are acknowledged
+    ids: set[str] = field(default_factory=set)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class MemoryDelivery:
+    def __init__(self, queue: _NodeQueue, index: int, command: Command) -> None:
+        self._queue = queue
+        self._index = index
+        self._command = command
+
+    @property
+    def command(self) -> Command:
+        return self._command
+
+    async def ack(self) -> None:
+        self._queue.acked = max(self._queue.acked, self._index + 1)
+
+
+class MemoryCommandQueue:
+    def __init__(self) -> None:
+        self._queues: dict[str, _NodeQueue] = {}
+
+    def _queue(self, node_id: str) -> _NodeQueue:
+        return self._queues.setdefault(node_id, _NodeQueue())
+
+    async def send(self, node_id: str, command: Command) -> None:
+        q = self._queue(node_id)
+        if command.command_id in q.ids:
+            return
+        q.ids.add(command.command_id)
+        q.commands.append(command)
+        q.changed.set()
+
+    def pending(self, node_id: str) -> list[Command]:
+        q = self._queue(node_id)
+        return q.commands[q.acked :]
+
+    def consume(self, node_id: str) -> AsyncIterator[MemoryDelivery]:
+        return self._consume(self._queue(node_id))
+
+    async def _consume(self, q: _NodeQueue) -> AsyncIterator[MemoryDelivery]:
+        # A new consumer starts at the oldest unacknowledged command: redelivery after a crash.
+        index = q.acked
+        while True:
+            while index < len(q.commands):
+                yield MemoryDelivery(q, index, q.commands[index])
+                index += 1
+            q.changed.clear()
+            await q.changed.wait()
