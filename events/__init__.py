@@ -17,6 +17,7 @@ from .cluster import (
     ClusterScaled as ClusterScaled,
     ClusterSpec as ClusterSpec,
     ClusterSpecChanged as ClusterSpecChanged,
+    ClusterUnschedulable as ClusterUnschedulable,
     GpuRequirement as GpuRequirement,
 )
 from .envelope import (

@@ -6,7 +6,13 @@ from typing import TypeAlias
 
 import msgspec
 
-from .cluster import ClusterCreated, ClusterDeleted, ClusterScaled, ClusterSpecChanged
+from .cluster import (
+    ClusterCreated,
+    ClusterDeleted,
+    ClusterScaled,
+    ClusterSpecChanged,
+    ClusterUnschedulable,
+)
 from .errors import InvalidAppend
 from .ids import valid_id
 from .node import NodeDrained, NodeHealthChanged, NodeHeartbeat, NodeRegistered, NodeRemoved
@@ -22,7 +28,9 @@ from .replica import (
 NodeEvent: TypeAlias = (
     NodeRegistered | NodeHeartbeat | NodeHealthChanged | NodeDrained | NodeRemoved
 )
-ClusterEvent: TypeAlias = ClusterCreated | ClusterSpecChanged | ClusterScaled | ClusterDeleted
+ClusterEvent: TypeAlias = (
+    ClusterCreated | ClusterSpecChanged | ClusterScaled | ClusterDeleted | ClusterUnschedulable
+)
 ReplicaEvent: TypeAlias = (
     ReplicaPlaced
     | ReplicaStarting
@@ -43,6 +51,7 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     ClusterSpecChanged,
     ClusterScaled,
     ClusterDeleted,
+    ClusterUnschedulable,
     ReplicaPlaced,
     ReplicaStarting,
     ReplicaReady,
@@ -70,7 +79,7 @@ def stream_of(event: DomainEvent) -> str:
         return f"node/{event.node_id}"
     if isinstance(event, _CLUSTER_SPEC_TYPES):
         return f"cluster/{event.spec.name}"
-    if isinstance(event, ClusterScaled | ClusterDeleted):
+    if isinstance(event, ClusterScaled | ClusterDeleted | ClusterUnschedulable):
         return f"cluster/{event.name}"
     return f"replica/{event.replica_id}"
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from .replica import Candidate
+
 
 class GpuRequirement(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     models: tuple[str, ...] = ()  # accepted GPU models; empty accepts any
@@ -51,3 +53,14 @@ class ClusterDeleted(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.deleted.v1"
 ):
     name: str
+
+
+class ClusterUnschedulable(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.unschedulable.v1"
+):
+    """The scheduler found no node for a replica the cluster wants: the decision and why."""
+
+    name: str
+    missing: int  # replicas wanted but not placed
+    reason: str
+    candidates: tuple[Candidate, ...] = ()

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import msgspec
 
-from events import ClusterCreated, ClusterDeleted, ClusterScaled, ClusterSpecChanged, Envelope
+from events import (
+    ClusterCreated,
+    ClusterDeleted,
+    ClusterScaled,
+    ClusterSpecChanged,
+    ClusterUnschedulable,
+    Envelope,
+    ReplicaPlaced,
+)
 
 from .views import Clusters, ClusterView
 
@@ -20,6 +28,15 @@ def apply(state: Clusters, envelope: Envelope) -> Clusters:
                 view.version = envelope.version
         case ClusterDeleted() as deleted:
             state.clusters.pop(deleted.name, None)
+        case ClusterUnschedulable(name=name, reason=reason):
+            view = state.clusters.get(name)
+            if view is not None:
+                view.unschedulable = reason
+                view.version = envelope.version
+        case ReplicaPlaced(cluster=name):
+            view = state.clusters.get(name)
+            if view is not None:
+                view.unschedulable = ""
         case _:
             pass
     return state

@@ -43,7 +43,7 @@ def _routing(s: FleetState, e: Envelope) -> object:
 _BY_FAMILY: dict[str, tuple[Fold, ...]] = {
     "node": (_nodes, _routing),
     "cluster": (_clusters, _routing),
-    "replica": (_replicas, _routing),
+    "replica": (_replicas, _clusters, _routing),
 }
 _HEARTBEAT: tuple[Fold, ...] = (_nodes,)
 _NONE: tuple[Fold, ...] = ()

@@ -7,7 +7,10 @@ from typing import Literal
 import msgspec
 
 from events import ClusterSpec, GpuInfo, GpuMetrics
+from events.messages import RouteEntry
 from events.node import HealthState
+
+Route = RouteEntry  # one ready replica a gateway may use; the wire type, so no conversion
 
 ReplicaStatus = Literal["pending", "placed", "starting", "ready", "failed", "stopping", "stopped"]
 
@@ -37,6 +40,7 @@ class NodeView(msgspec.Struct, kw_only=True):
 
 class ClusterView(msgspec.Struct, kw_only=True):
     spec: ClusterSpec
+    unschedulable: str = ""  # why the last placement attempt found no node
     version: int = 0
 
 
@@ -53,15 +57,6 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     failure_detail: str = ""
     why: str = ""
     version: int = 0
-
-
-class Route(msgspec.Struct, frozen=True, kw_only=True):
-    """One ready replica a gateway may send traffic to."""
-
-    replica_id: str
-    node_id: str
-    address: str
-    epoch: int
 
 
 class NodeRegistry(msgspec.Struct, kw_only=True):

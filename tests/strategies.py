@@ -14,6 +14,7 @@ from events import (
     ClusterScaled,
     ClusterSpec,
     ClusterSpecChanged,
+    ClusterUnschedulable,
     DomainEvent,
     Envelope,
     GpuInfo,
@@ -97,6 +98,12 @@ cluster_events = st.one_of(
     st.builds(ClusterSpecChanged, spec=specs),
     st.builds(ClusterScaled, name=cluster_names, replicas=st.integers(0, 5)),
     st.builds(ClusterDeleted, name=cluster_names),
+    st.builds(
+        ClusterUnschedulable,
+        name=cluster_names,
+        missing=st.integers(1, 3),
+        reason=st.just("no node fits"),
+    ),
 )
 
 

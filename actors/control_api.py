@@ -1,0 +1,128 @@
+"""The control API: request/reply on `gpumesh.v1.api.<verb>`, one ApiReply per request."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from events import subjects
+from events.messages import ApiReply, DrainRequest, NameRequest, ScaleRequest
+from projections import FleetState
+
+from .cluster_actor import ClusterError, Create, Delete, Scale
+from .env import Msg
+from .node_actor import Drain
+from .spec import SpecError, from_mapping
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+_PREFIX = f"{subjects.PREFIX}.api."
+
+
+class ControlApi:
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+        self._verbs: dict[str, Callable[[bytes], Awaitable[Any]]] = {
+            "cluster.create": self._create,
+            "cluster.list": self._list,
+            "cluster.get": self._get,
+            "cluster.scale": self._scale,
+            "cluster.delete": self._delete,
+            "node.list": self._nodes,
+            "node.drain": self._drain,
+            "routing.get": self._routing,
+        }
+
+    async def handle(self, msg: Msg) -> None:
+        verb = msg.subject.removeprefix(_PREFIX)
+        try:
+            handler = self._verbs.get(verb)
+            if handler is None:
+                raise ClusterError(f"unknown API verb {verb!r}")
+            reply = ApiReply(ok=True, data=await handler(msg.data))
+        except (ClusterError, SpecError) as exc:
+            reply = ApiReply(ok=False, error=str(exc))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            reply = ApiReply(ok=False, error=f"bad request body: {exc}")
+        if msg.reply:
+            await self.controller.env.bus.publish(msg.reply, msgspec.json.encode(reply))
+
+    @property
+    def state(self) -> FleetState:
+        return self.controller.live.state
+
+    async def _create(self, body: bytes) -> Any:
+        spec = from_mapping(msgspec.json.decode(body))
+        ref = await self.controller.cluster(spec.name)
+        await ref.ask(Create(spec), timeout=30.0)
+        return self._cluster(spec.name)
+
+    async def _scale(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=ScaleRequest)
+        if not 0 <= req.replicas <= 1000:
+            raise SpecError(f"replicas: must be 0..1000, got {req.replicas}")
+        self._known(req.name)
+        await (await self.controller.cluster(req.name)).ask(Scale(req.replicas), timeout=30.0)
+        return self._cluster(req.name)
+
+    async def _delete(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=NameRequest)
+        self._known(req.name)
+        await (await self.controller.cluster(req.name)).ask(Delete(), timeout=30.0)
+        return {"name": req.name, "deleted": True}
+
+    async def _get(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=NameRequest)
+        self._known(req.name)
+        return self._cluster(req.name)
+
+    async def _list(self, body: bytes) -> Any:
+        return [self._cluster(name) for name in sorted(self.state.clusters.clusters)]
+
+    async def _nodes(self, body: bytes) -> Any:
+        return [msgspec.to_builtins(n) for _, n in sorted(self.state.nodes.nodes.items())]
+
+    async def _drain(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=DrainRequest)
+        if req.node_id not in self.state.nodes.nodes:
+            raise ClusterError(f"unknown node {req.node_id!r}")
+        ref = await self.controller.node(req.node_id)
+        await ref.ask(Drain("drained by operator"), timeout=30.0)
+        return {"node_id": req.node_id, "drained": True}
+
+    async def _routing(self, body: bytes) -> Any:
+        return msgspec.json.decode(self.controller.routing_update())
+
+    def _known(self, name: str) -> None:
+        if name not in self.state.clusters.clusters:
+            known = ", ".join(sorted(self.state.clusters.clusters)) or "none"
+            raise ClusterError(f"unknown cluster {name!r} (known: {known})")
+
+    def _cluster(self, name: str) -> dict[str, Any]:
+        view = self.state.clusters.clusters[name]
+        replicas = sorted(
+            (r for r in self.state.replicas.replicas.values() if r.cluster == name),
+            key=lambda r: r.replica_id,
+        )
+        return {
+            "name": name,
+            "desired": view.spec.replicas,
+            "ready": sum(1 for r in replicas if r.status == "ready"),
+            "unschedulable": view.unschedulable,
+            "spec": msgspec.to_builtins(view.spec),
+            "replicas": [
+                {
+                    "replica_id": r.replica_id,
+                    "node_id": r.node_id,
+                    "epoch": r.epoch,
+                    "status": r.status,
+                    "address": r.address,
+                    "why": r.why,
+                    "failure": r.failure_reason,
+                }
+                for r in replicas
+            ],
+        }

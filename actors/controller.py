@@ -1,0 +1,249 @@
+"""The controller: node, cluster and replica actors over the live fleet state, fed by the bus.
+
+It owns every task it starts (one TaskGroup, one ActorSystem). Messages from agents are
+decoded at the edge; garbage is counted, logged and dropped, and never reaches an actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+
+from events import ClusterSpec, subjects
+from events.messages import Heartbeat, Register, RegisterReply, ReplicaReport, RoutingUpdate
+
+from .cluster_actor import ClusterActor, ClusterMsg, Reconcile
+from .command_queue import CommandQueue
+from .env import Env, Msg, RandomSource
+from .health import HealthPolicy
+from .live_state import LiveState
+from .node_actor import Beat, Join, NodeActor, NodeMsg
+from .replica_actor import ReplicaActor, ReplicaMsg, Report
+from .supervision import SupervisionPolicy
+from .system import ActorRef, ActorSystem
+
+T = TypeVar("T")
+
+# Actors restart on a crash; a run of crashes escalates and stops the controller loudly.
+ACTOR_POLICY = SupervisionPolicy(max_restarts=5, window=60.0)
+
+
+@dataclass(frozen=True, slots=True)
+class ControllerConfig:
+    health: HealthPolicy = field(default_factory=HealthPolicy)
+    reconcile_interval: float = 1.0  # a periodic pass catches anything a signal missed
+
+
+class Controller:
+    def __init__(
+        self, env: Env, commands: CommandQueue, config: ControllerConfig | None = None
+    ) -> None:
+        self.env = env
+        self.commands = commands
+        self.config = config or ControllerConfig()
+        self.live = LiveState(env.store)
+        self.placement_lock = asyncio.Lock()
+        self.dropped: Counter[str] = Counter()  # garbage and unroutable messages, by kind
+        self.ready = asyncio.Event()
+        self._system: ActorSystem | None = None
+        self._rng = env.derive_rng("scheduler")
+        self._spawn_lock = asyncio.Lock()
+        self._last_routes: dict[str, Any] | None = None
+        self.log = env.log.bind(component="controller")
+
+    # -- what the actors see (cluster_actor.Fleet) ------------------------------------------
+
+    def scheduler_rng(self) -> RandomSource:
+        return self._rng
+
+    async def replica(self, replica_id: str, spec: ClusterSpec | None) -> ActorRef[ReplicaMsg]:
+        return await self._get_or_spawn(
+            f"replica:{replica_id}",
+            lambda: ReplicaActor(replica_id, self.commands, spec),
+            {"replica": replica_id},
+        )
+
+    async def node(self, node_id: str) -> ActorRef[NodeMsg]:
+        return await self._get_or_spawn(
+            f"node:{node_id}", lambda: NodeActor(node_id, self.config.health), {"node": node_id}
+        )
+
+    async def cluster(self, name: str) -> ActorRef[ClusterMsg]:
+        return await self._get_or_spawn(
+            f"cluster:{name}", lambda: ClusterActor(name, self), {"cluster": name}
+        )
+
+    async def _get_or_spawn(
+        self, name: str, factory: Callable[[], Any], context: dict[str, Any]
+    ) -> ActorRef[Any]:
+        system = self._require_system()
+        existing = system.get(name)
+        if existing is not None and not existing.stopped:
+            return existing
+        async with self._spawn_lock:
+            existing = system.get(name)
+            if existing is not None and not existing.stopped:
+                return existing
+            return await system.spawn(factory, name, policy=ACTOR_POLICY, context=context)
+
+    def _require_system(self) -> ActorSystem:
+        if self._system is None:
+            raise RuntimeError("the controller is not running")
+        return self._system
+
+    # -- running --------------------------------------------------------------------------
+
+    async def run(
+        self, *, extra: list[Callable[[], Coroutine[Any, Any, None]]] | None = None
+    ) -> None:
+        """Rebuild live state from the log, start the actors, serve until cancelled."""
+        await self.live.catch_up()
+        self.log.info(
+            "controller_recovered",
+            position=self.live.position,
+            nodes=len(self.live.state.nodes.nodes),
+            clusters=len(self.live.state.clusters.clusters),
+        )
+        async with ActorSystem(self.env) as system, asyncio.TaskGroup() as tasks:
+            self._system = system
+            tasks.create_task(self.live.run(), name="live-state")
+            await self._respawn()
+            bus = self.env.bus
+            subscriptions = [
+                (subjects.HEARTBEAT_ALL, self._on_heartbeat),
+                (subjects.REGISTER_ALL, self._on_register),
+                (subjects.REPORT_ALL, self._on_report),
+            ]
+            for subject, handler in subscriptions:
+                sub = await bus.subscribe(subject, queue="controller")
+                tasks.create_task(self._serve(sub, handler), name=f"serve:{subject}")
+            from .control_api import ControlApi
+
+            api = ControlApi(self)
+            api_sub = await bus.subscribe(subjects.API_ALL, queue="controller")
+            tasks.create_task(self._serve(api_sub, api.handle), name="serve:api")
+            tasks.create_task(self._reconcile_loop(), name="reconcile")
+            tasks.create_task(self._routing_loop(), name="routing")
+            for job in extra or []:
+                tasks.create_task(job())
+            self.ready.set()
+            self.log.info("controller_ready")
+
+    async def _respawn(self) -> None:
+        """After a restart: actors for every known node (silence detection restarts with a
+        grace period), cluster, and replica still in flight (they re-send their commands)."""
+        state = self.live.state
+        for node_id in sorted(state.nodes.nodes):
+            await self.node(node_id)
+        for name in sorted(state.clusters.clusters):
+            await self.cluster(name)
+        for replica_id, view in sorted(state.replicas.replicas.items()):
+            if view.status in ("placed", "starting", "ready", "stopping"):
+                cluster = state.clusters.clusters.get(view.cluster)
+                await self.replica(replica_id, cluster.spec if cluster else None)
+
+    async def _serve(self, sub: Any, handler: Callable[[Msg], Awaitable[None]]) -> None:
+        async for msg in sub:
+            try:
+                await handler(msg)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                self._drop("garbage", msg, str(exc))
+
+    def _drop(self, kind: str, msg: Msg, detail: str) -> None:
+        self.dropped[kind] += 1
+        self.log.warning(
+            "message_dropped",
+            kind=kind,
+            subject=msg.subject,
+            detail=detail[:200],
+            total=self.dropped[kind],
+        )
+
+    # -- agent traffic ------------------------------------------------------------------
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        hb = msgspec.json.decode(msg.data, type=Heartbeat)
+        if hb.node_id != subjects.node_of(msg.subject):
+            self._drop("impersonation", msg, f"heartbeat for {hb.node_id} on {msg.subject}")
+            return
+        if hb.node_id not in self.live.state.nodes.nodes:
+            self._drop("unregistered", msg, f"node {hb.node_id} has not registered")
+            return
+        ref = await self.node(hb.node_id)
+        if ref.stats().size >= ref.stats().capacity:
+            # A flooding node fills only its own mailbox; everyone else's heartbeats go on.
+            self._drop("flood", msg, f"node {hb.node_id} mailbox full")
+            return
+        ref.try_tell(Beat(hb))
+        for replica in hb.replicas:
+            await self._route_report(hb.node_id, replica)
+
+    async def _on_register(self, msg: Msg) -> None:
+        reg = msgspec.json.decode(msg.data, type=Register)
+        if reg.node_id != subjects.node_of(msg.subject):
+            self._drop("impersonation", msg, f"register for {reg.node_id} on {msg.subject}")
+            return
+        ref = await self.node(reg.node_id)
+        reply = await ref.ask(Join(reg), timeout=10.0, expect=RegisterReply)
+        await self.live.wait_for(await self.env.store.head())
+        if msg.reply:
+            await self.env.bus.publish(msg.reply, msgspec.json.encode(reply))
+        for replica in reg.replicas:
+            await self._route_report(reg.node_id, replica)
+
+    async def _on_report(self, msg: Msg) -> None:
+        report = msgspec.json.decode(msg.data, type=ReplicaReport)
+        if report.node_id != subjects.node_of(msg.subject):
+            self._drop("impersonation", msg, f"report for {report.node_id} on {msg.subject}")
+            return
+        await self._route_report(report.node_id, report.replica)
+
+    async def _route_report(self, node_id: str, replica: Any) -> None:
+        view = self.live.state.replicas.replicas.get(replica.replica_id)
+        if view is None:
+            self.log.warning("unknown_replica_reported", node=node_id, replica=replica.replica_id)
+            return
+        cluster = self.live.state.clusters.clusters.get(view.cluster)
+        ref = await self.replica(replica.replica_id, cluster.spec if cluster else None)
+        if ref.stats().size < ref.stats().capacity:
+            ref.try_tell(Report(node_id, replica))
+
+    # -- loops ------------------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        changed = self.live.change_signal()
+        while True:
+            try:
+                async with asyncio.timeout(self.config.reconcile_interval):
+                    await changed.wait()
+            except TimeoutError:
+                pass
+            changed.clear()
+            names = set(self.live.state.clusters.clusters)
+            system = self._require_system()
+            names |= {n.split(":", 1)[1] for n in system.names() if n.startswith("cluster:")}
+            for name in sorted(names):
+                ref = await self.cluster(name)
+                # Coalesce: one queued Reconcile is as good as many.
+                if ref.stats().size == 0:
+                    ref.try_tell(Reconcile())
+
+    async def _routing_loop(self) -> None:
+        changed = self.live.change_signal()
+        while True:
+            routes = self.live.state.routing.routes
+            if routes != self._last_routes:
+                self._last_routes = dict(routes)
+                await self.env.bus.publish(subjects.ROUTING, self.routing_update())
+            await changed.wait()
+            changed.clear()
+
+    def routing_update(self) -> bytes:
+        return msgspec.json.encode(
+            RoutingUpdate(position=self.live.position, routes=dict(self.live.state.routing.routes))
+        )

@@ -1,0 +1,67 @@
+"""The controller's live view of the fleet: the shared fold, fed by the store in commit order.
+
+Actors never fold their own appends directly: two actors committing concurrently could fold out
+of order. They append, then `await live.wait_for(position)` before deciding again, so a decision
+always sees the effect of the previous one. Live state is therefore a rebuild of the log by
+construction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import projections
+from events import HEARTBEAT_TYPE, EventStore
+from projections import FleetState
+
+
+class LiveState:
+    def __init__(self, store: EventStore, state: FleetState | None = None) -> None:
+        self.store = store
+        self.state = state if state is not None else FleetState()
+        self._advanced = asyncio.Event()
+        self._signals: list[asyncio.Event] = []
+
+    @property
+    def position(self) -> int:
+        return self.state.position
+
+    async def catch_up(self) -> None:
+        """Fold everything already committed (start-up, before actors are spawned)."""
+        while True:
+            page = await self.store.read_all(self.state.position + 1, 10_000)
+            for envelope in page:
+                projections.apply(self.state, envelope)
+            if len(page) < 10_000:
+                break
+        self._notify()
+
+    async def run(self) -> None:
+        """Follow the log until cancelled or the store closes."""
+        async with contextlib.aclosing(self.store.subscribe(self.state.position + 1)) as live:
+            async for envelope in live:
+                projections.apply(self.state, envelope)
+                self._notify(quiet=envelope.type == HEARTBEAT_TYPE)
+
+    def _notify(self, *, quiet: bool = False) -> None:
+        event, self._advanced = self._advanced, asyncio.Event()
+        event.set()
+        if not quiet:
+            for signal in self._signals:
+                signal.set()
+
+    async def wait_for(self, position: int) -> None:
+        """Return once every event up to `position` is folded in."""
+        while self.state.position < position:
+            await self._advanced.wait()
+
+    def change_signal(self) -> asyncio.Event:
+        """An Event set whenever something other than a heartbeat is folded in.
+
+        Heartbeats are most of the log and change no decision by themselves (health verdicts
+        are separate events), so they do not wake reconcilers. The owner clears the Event.
+        """
+        signal = asyncio.Event()
+        self._signals.append(signal)
+        return signal

@@ -1,0 +1,204 @@
+"""NodeActor: one per node. Records registrations and every heartbeat, and decides health.
+
+Silence is measured on the loop clock from the last heartbeat this incarnation saw: after a
+controller restart every node gets a fresh grace period instead of being declared offline for
+the time the controller itself was down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import msgspec
+
+from events import (
+    DomainEvent,
+    NodeDrained,
+    NodeHealthChanged,
+    NodeHeartbeat,
+    NodeRegistered,
+    NodeRemoved,
+    stream_name,
+)
+from events.messages import Heartbeat, Register, RegisterReply
+from events.node import HealthState
+
+from .actor import ActorContext
+from .event_sourced import EventSourcedActor
+from .health import HealthPolicy, evaluate, missed_heartbeats
+
+
+class NodeState(msgspec.Struct, kw_only=True):
+    registered: bool = False
+    registration: NodeRegistered | None = None
+    health: HealthState = "healthy"
+    reason: str = "registered"
+    drained: bool = False
+    removed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Beat:
+    heartbeat: Heartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    register: Register
+
+
+@dataclass(frozen=True, slots=True)
+class CheckSilence:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    reason: str = ""
+
+
+NodeMsg = Beat | Join | CheckSilence | Drain
+
+
+class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
+    snapshot_type = NodeState
+
+    def __init__(self, node_id: str, policy: HealthPolicy) -> None:
+        self.node_id = node_id
+        self.policy = policy
+        self._stream = stream_name("node", node_id)
+        self.last_seen = 0.0
+        self.suspect_logged = False
+
+    @property
+    def stream(self) -> str:
+        return self._stream
+
+    def initial_state(self) -> NodeState:
+        return NodeState()
+
+    def evolve(self, state: NodeState, payload: DomainEvent) -> NodeState:
+        match payload:
+            case NodeRegistered():
+                state.registered = True
+                state.registration = payload
+                state.removed = False
+            case NodeHealthChanged(state=health, reason=reason):
+                state.health = health
+                state.reason = reason
+            case NodeDrained():
+                state.drained = True
+            case NodeRemoved():
+                state.removed = True
+            case _:
+                pass
+        return state
+
+    async def on_recovered(self, ctx: ActorContext[NodeMsg]) -> None:
+        self.last_seen = ctx.env.clock.monotonic()
+        ctx.create_task(self._watch(ctx), name=f"silence:{self.node_id}")
+
+    async def _watch(self, ctx: ActorContext[NodeMsg]) -> None:
+        # A quarter interval keeps detection within a quarter heartbeat of the threshold.
+        period = self.policy.heartbeat_interval / 4
+        while True:
+            await asyncio.sleep(period)
+            # Skip the tick when the mailbox is busy: a queued message is news of the node anyway.
+            if ctx.self_ref.stats().size == 0:
+                ctx.self_ref.try_tell(CheckSilence())
+
+    async def handle(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> object:
+        match msg:
+            case Beat(heartbeat=hb):
+                return await self._on_heartbeat(ctx, hb)
+            case Join(register=reg):
+                return await self._on_register(ctx, reg)
+            case CheckSilence():
+                return await self._on_check(ctx)
+            case Drain(reason=reason):
+                if not self.state.drained:
+                    return await self.persist(
+                        ctx, [NodeDrained(node_id=self.node_id, reason=reason)]
+                    )
+                return []
+
+    async def _on_register(self, ctx: ActorContext[NodeMsg], reg: Register) -> RegisterReply:
+        self.last_seen = ctx.env.clock.monotonic()
+        event = NodeRegistered(
+            node_id=reg.node_id,
+            hostname=reg.hostname,
+            address=reg.address,
+            region=reg.region,
+            zone=reg.zone,
+            labels=reg.labels,
+            gpus=reg.gpus,
+            driver_version=reg.driver_version,
+            cuda_version=reg.cuda_version,
+            agent_version=reg.agent_version,
+            price_per_hour=reg.price_per_hour,
+        )
+        if self.state.registration != event or self.state.removed:
+            await self.persist(ctx, [event])
+            ctx.log.info("node_registered", gpus=len(reg.gpus), region=reg.region)
+        return RegisterReply(accepted=True, heartbeat_interval_s=self.policy.heartbeat_interval)
+
+    async def _on_heartbeat(self, ctx: ActorContext[NodeMsg], hb: Heartbeat) -> list[int]:
+        self.last_seen = ctx.env.clock.monotonic()
+        self.suspect_logged = False
+        events: list[DomainEvent] = [
+            NodeHeartbeat(
+                node_id=self.node_id,
+                seq=hb.seq,
+                gpus=hb.gpus,
+                probe_error=hb.probe_error,
+                running=tuple(
+                    f"{r.replica_id}@{r.epoch}"
+                    for r in hb.replicas
+                    if r.state in ("starting", "ready")
+                ),
+            )
+        ]
+        verdict = evaluate(
+            hb.gpus, hb.probe_error, self.state.health, self.state.reason, self.policy
+        )
+        if verdict.state != self.state.health or (
+            verdict.state != "healthy" and verdict.reason != self.state.reason
+        ):
+            events.append(
+                NodeHealthChanged(
+                    node_id=self.node_id,
+                    state=verdict.state,
+                    reason=verdict.reason,
+                    detail=verdict.detail,
+                )
+            )
+            ctx.log.info(
+                "node_health_changed",
+                state=verdict.state,
+                reason=verdict.reason,
+                detail=verdict.detail,
+            )
+        return await self.persist(ctx, events)
+
+    async def _on_check(self, ctx: ActorContext[NodeMsg]) -> list[int]:
+        if not self.state.registered or self.state.health == "offline":
+            return []
+        missed = missed_heartbeats(ctx.env.clock.monotonic(), self.last_seen, self.policy)
+        if missed >= self.policy.offline_after:
+            ctx.log.warning("node_offline", missed=missed)
+            return await self.persist(
+                ctx,
+                [
+                    NodeHealthChanged(
+                        node_id=self.node_id,
+                        state="offline",
+                        reason="missed_heartbeats",
+                        detail=f"{missed} heartbeats missed",
+                    )
+                ],
+            )
+        if missed >= self.policy.suspect_after and not self.suspect_logged:
+            self.suspect_logged = True
+            ctx.log.warning("node_suspect", missed=missed)
+        return []

@@ -1,0 +1,249 @@
+"""ReplicaActor: one per replica slot. Owns `replica/<id>`; every placement raises the epoch.
+
+Agents report what they run; a report is folded into an event only at the current epoch on the
+node that holds it. A report of an older epoch, or from another node, is a superseded replica
+(a node back from a partition): the actor tells that node to stop it and records nothing, so
+nothing can route to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from events import (
+    Candidate,
+    ClusterSpec,
+    DomainEvent,
+    ReplicaFailed,
+    ReplicaPlaced,
+    ReplicaReady,
+    ReplicaStarting,
+    ReplicaStopped,
+    ReplicaStopping,
+    stream_name,
+)
+from events.messages import ReplicaState, StartReplica, StopReplica
+from events.replica import FailureReason
+from projections.views import ReplicaStatus
+
+from .actor import ActorContext
+from .command_queue import CommandQueue
+from .event_sourced import EventSourcedActor
+
+ACTIVE: tuple[ReplicaStatus, ...] = ("placed", "starting", "ready")
+
+
+class SlotState(msgspec.Struct, kw_only=True):
+    cluster: str = ""
+    node_id: str = ""
+    epoch: int = 0
+    status: ReplicaStatus = "placed"
+    gpu_indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    spec: ClusterSpec
+    node_id: str
+    gpu_indices: tuple[int, ...]
+    why: str
+    candidates: tuple[Candidate, ...] = field(default=())
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    node_id: str
+    replica: ReplicaState
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    reason: FailureReason
+    detail: str = ""
+    stop_on_node: bool = False  # the node still answers: make sure the workload dies
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    reason: str
+
+
+ReplicaMsg = Place | Report | Fail | Stop
+
+
+def start_command_id(replica_id: str, epoch: int) -> str:
+    # Deterministic, so a re-send after a controller crash is deduplicated, never doubled.
+    return f"start-{replica_id}-{epoch}"
+
+
+def stop_command_id(replica_id: str, epoch: int) -> str:
+    return f"stop-{replica_id}-{epoch}"
+
+
+class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
+    snapshot_type = SlotState
+
+    def __init__(self, replica_id: str, commands: CommandQueue, spec: ClusterSpec | None) -> None:
+        self.replica_id = replica_id
+        self.commands = commands
+        self.spec = spec
+        self._stream = stream_name("replica", replica_id)
+
+    @property
+    def stream(self) -> str:
+        return self._stream
+
+    def initial_state(self) -> SlotState:
+        return SlotState()
+
+    def evolve(self, state: SlotState, payload: DomainEvent) -> SlotState:
+        match payload:
+            case ReplicaPlaced():
+                state.cluster = payload.cluster
+                state.node_id = payload.node_id
+                state.epoch = payload.epoch
+                state.status = "placed"
+                state.gpu_indices = payload.gpu_indices
+            case ReplicaStarting(epoch=e) if e == state.epoch:
+                state.status = "starting"
+            case ReplicaReady(epoch=e) if e == state.epoch:
+                state.status = "ready"
+            case ReplicaFailed(epoch=e) if e == state.epoch:
+                state.status = "failed"
+            case ReplicaStopping(epoch=e) if e == state.epoch:
+                state.status = "stopping"
+            case ReplicaStopped(epoch=e) if e == state.epoch:
+                state.status = "stopped"
+            case _:
+                pass
+        return state
+
+    async def on_recovered(self, ctx: ActorContext[ReplicaMsg]) -> None:
+        # After a controller crash a command may have been recorded but never sent: send again.
+        # The command id is deterministic, so a duplicate is dropped by the queue and the agent.
+        state = self.state
+        if state.status in ("placed", "starting") and self.spec is not None:
+            await self._send_start(state)
+        elif state.status == "stopping":
+            await self._send_stop(state.node_id, state.epoch, "stopping")
+
+    async def handle(self, ctx: ActorContext[ReplicaMsg], msg: ReplicaMsg) -> object:
+        match msg:
+            case Place():
+                return await self._place(ctx, msg)
+            case Report(node_id=node_id, replica=report):
+                return await self._report(ctx, node_id, report)
+            case Fail(reason=reason, detail=detail, stop_on_node=stop):
+                state = self.state
+                if state.status not in (*ACTIVE, "stopping"):
+                    return []
+                positions = await self.persist(
+                    ctx,
+                    [
+                        ReplicaFailed(
+                            replica_id=self.replica_id,
+                            epoch=state.epoch,
+                            reason=reason,
+                            detail=detail,
+                        )
+                    ],
+                )
+                if stop:
+                    await self._send_stop(state.node_id, state.epoch, reason)
+                return positions
+            case Stop(reason=reason):
+                state = self.state
+                if state.status not in ACTIVE:
+                    return []
+                positions = await self.persist(
+                    ctx,
+                    [ReplicaStopping(replica_id=self.replica_id, epoch=state.epoch, reason=reason)],
+                )
+                await self._send_stop(state.node_id, state.epoch, reason)
+                return positions
+
+    async def _place(self, ctx: ActorContext[ReplicaMsg], msg: Place) -> list[int]:
+        self.spec = msg.spec
+        epoch = self.state.epoch + 1
+        positions = await self.persist(
+            ctx,
+            [
+                ReplicaPlaced(
+                    replica_id=self.replica_id,
+                    cluster=msg.spec.name,
+                    node_id=msg.node_id,
+                    gpu_indices=msg.gpu_indices,
+                    epoch=epoch,
+                    why=msg.why,
+                    candidates=msg.candidates,
+                )
+            ],
+        )
+        ctx.log.info("replica_placed", node=msg.node_id, epoch=epoch, why=msg.why)
+        await self._send_start(self.state)
+        return positions
+
+    async def _send_start(self, state: SlotState) -> None:
+        assert self.spec is not None
+        await self.commands.send(
+            state.node_id,
+            StartReplica(
+                command_id=start_command_id(self.replica_id, state.epoch),
+                replica_id=self.replica_id,
+                epoch=state.epoch,
+                spec=self.spec,
+                gpu_indices=state.gpu_indices,
+            ),
+        )
+
+    async def _send_stop(self, node_id: str, epoch: int, reason: str) -> None:
+        await self.commands.send(
+            node_id,
+            StopReplica(
+                command_id=stop_command_id(self.replica_id, epoch),
+                replica_id=self.replica_id,
+                epoch=epoch,
+                reason=reason,
+            ),
+        )
+
+    async def _report(
+        self, ctx: ActorContext[ReplicaMsg], node_id: str, report: ReplicaState
+    ) -> list[int]:
+        state = self.state
+        if report.epoch < state.epoch or (report.epoch == state.epoch and node_id != state.node_id):
+            if report.state in ("starting", "ready"):
+                ctx.log.warning(
+                    "superseded_replica_stopped",
+                    node=node_id,
+                    epoch=report.epoch,
+                    current_epoch=state.epoch,
+                )
+                await self._send_stop(node_id, report.epoch, "superseded")
+            return []
+        if report.epoch > state.epoch:
+            ctx.log.warning("report_from_the_future", node=node_id, epoch=report.epoch)
+            return []
+        event: DomainEvent | None = None
+        rid, epoch = self.replica_id, state.epoch
+        match report.state:
+            case "starting" if state.status == "placed":
+                event = ReplicaStarting(replica_id=rid, epoch=epoch, port=report.port)
+            case "ready" if state.status in ("placed", "starting"):
+                event = ReplicaReady(replica_id=rid, epoch=epoch, address=report.address)
+            case "failed" if state.status in (*ACTIVE, "stopping"):
+                reason: FailureReason = (
+                    "readiness_timeout" if "readiness" in report.detail else "workload_exited"
+                )
+                event = ReplicaFailed(
+                    replica_id=rid, epoch=epoch, reason=reason, detail=report.detail
+                )
+            case "stopped" if state.status != "stopped":
+                event = ReplicaStopped(replica_id=rid, epoch=epoch, exit_code=report.exit_code)
+            case _:
+                pass
+        if event is None:
+            return []
+        return await self.persist(ctx, [event])
