@@ -43,7 +43,7 @@ class ScriptedAgent:
     temperature: float = 50.0
     probe_error: str = ""
     heartbeating: bool = True  # False: hung or partitioned (SIGSTOP)
-    obeying: bool = True  # False: commands pile up (the process is stopped)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)  # clear: commands pile up
     crash_on_start: bool = False  # every start exits at once (crash loop)
     start_delay: float = 0.5
     running: dict[str, ReplicaState] = field(default_factory=dict)
