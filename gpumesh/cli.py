@@ -76,7 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     events_cli.register(events_commands, [common])
     projections_cli.register(events_commands, [common])
+
+    from actors import cli as actors_cli
+
+    actors_cli.register(commands, [common])
+
+    from . import up
+
+    up.register(commands, [common])
     return parser
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Failures a user can act on: printed as one line, no traceback."""
+    from actors.cli import CommandFailed
+    from actors.env import BusError
+    from actors.nats_server import NatsServerError
+    from actors.spec import SpecError
+
+    return (EventStoreError, OSError, CommandFailed, BusError, NatsServerError, SpecError)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(handler(args))
     except KeyboardInterrupt:
         return 130
-    except (EventStoreError, OSError) as exc:
-        # Expected failures (no log, full disk, unreadable file) are one line, not a traceback.
+    except _user_errors() as exc:
+        # Expected failures (no log, full disk, no NATS, a bad spec) are one line, no traceback.
         print(f"gpumesh: error: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,305 @@
+"""`gpumesh controller`, `gpumesh cluster ...` and `gpumesh nodes`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from events import subjects
+from events.messages import ApiReply
+
+from .health import HealthPolicy
+from .spec import SpecError, parse_toml
+from .stack import clear_nats_url, find_nats_url, write_nats_url
+
+
+class CommandFailed(Exception):
+    """A one-line, user-facing failure; the CLI prints it and exits non-zero."""
+
+
+def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    nats = argparse.ArgumentParser(add_help=False)
+    nats.add_argument(
+        "--nats",
+        metavar="URL",
+        help="NATS server or cluster to use (default: the local stack's, found "
+        "through the data directory)",
+    )
+    common = [*parents, nats]
+
+    ctl = commands.add_parser(
+        "controller",
+        parents=list(parents),
+        help="run the control plane",
+        description="Run the controller: it records heartbeats, decides node health, places "
+        "replicas and replaces them when nodes fail. Without --nats it starts an embedded "
+        "nats-server (JetStream, loopback only) in the data directory.",
+    )
+    ctl.add_argument("--nats", metavar="URL", help="join this NATS server instead of starting one")
+    _health_args(ctl)
+    ctl.set_defaults(handler=run_controller)
+
+    cluster = commands.add_parser(
+        "cluster",
+        parents=list(parents),
+        help="create, list, show, scale and delete clusters",
+        description="Clusters through the control API.",
+    )
+    verbs = cluster.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND", required=True)
+    create = verbs.add_parser(
+        "create",
+        parents=common,
+        help="create a cluster from a TOML spec",
+        description="Create a cluster from a TOML spec file.",
+    )
+    create.add_argument("-f", "--file", required=True, type=Path, help="the spec (TOML)")
+    create.add_argument("--json", action="store_true")
+    create.set_defaults(handler=cluster_create)
+    listing = verbs.add_parser(
+        "list",
+        parents=common,
+        help="list clusters",
+        description="List clusters with desired and ready replicas.",
+    )
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(handler=cluster_list)
+    show = verbs.add_parser(
+        "show",
+        parents=common,
+        help="one cluster and its replicas",
+        description="Show a cluster, its replicas and why they are where.",
+    )
+    show.add_argument("name")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=cluster_show)
+    scale = verbs.add_parser(
+        "scale",
+        parents=common,
+        help="change the number of replicas",
+        description="Set a cluster's desired number of replicas.",
+    )
+    scale.add_argument("name")
+    scale.add_argument("replicas", type=int)
+    scale.add_argument("--json", action="store_true")
+    scale.set_defaults(handler=cluster_scale)
+    delete = verbs.add_parser(
+        "delete",
+        parents=common,
+        help="delete a cluster",
+        description="Delete a cluster; its replicas are stopped.",
+    )
+    delete.add_argument("name")
+    delete.add_argument("--json", action="store_true")
+    delete.set_defaults(handler=cluster_delete)
+
+    nodes = commands.add_parser(
+        "nodes",
+        parents=common,
+        help="list nodes and their health",
+        description="List nodes: health, GPUs, last heartbeat.",
+    )
+    nodes.add_argument("--json", action="store_true")
+    nodes.add_argument("--drain", metavar="NODE", help="drain this node (replicas migrate)")
+    nodes.set_defaults(handler=list_nodes)
+
+
+def _health_args(parser: argparse.ArgumentParser) -> None:
+    d = HealthPolicy()
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=d.heartbeat_interval,
+        help=f"seconds between heartbeats (default {d.heartbeat_interval})",
+    )
+    parser.add_argument(
+        "--suspect-after",
+        type=int,
+        default=d.suspect_after,
+        help=f"missed heartbeats before suspect (default {d.suspect_after})",
+    )
+    parser.add_argument(
+        "--offline-after",
+        type=int,
+        default=d.offline_after,
+        help=f"missed heartbeats before offline (default {d.offline_after})",
+    )
+    parser.add_argument(
+        "--thermal-high",
+        type=float,
+        default=d.thermal_high_c,
+        help=f"degraded at or above this GPU temperature (default {d.thermal_high_c:g} C)",
+    )
+    parser.add_argument(
+        "--thermal-low",
+        type=float,
+        default=d.thermal_low_c,
+        help=f"recovered at or below this (default {d.thermal_low_c:g} C)",
+    )
+
+
+def health_policy(args: argparse.Namespace) -> HealthPolicy:
+    return HealthPolicy(
+        heartbeat_interval=args.heartbeat_interval,
+        suspect_after=args.suspect_after,
+        offline_after=args.offline_after,
+        thermal_high_c=args.thermal_high,
+        thermal_low_c=args.thermal_low,
+    )
+
+
+# -- the controller --------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def nats_for(data_dir: Path, url: str | None) -> AsyncIterator[str]:
+    """Yield a NATS URL: the given one, or an embedded server's that lives for the block."""
+    if url:
+        yield url
+        return
+    from .nats_server import EmbeddedNats
+
+    async with EmbeddedNats(data_dir / "nats") as server:
+        write_nats_url(data_dir, server.url)
+        try:
+            yield server.url
+        finally:
+            clear_nats_url(data_dir, server.url)
+
+
+async def run_controller(args: argparse.Namespace) -> int:
+    from events.sqlite_store import SqliteEventStore
+
+    from .controller import Controller, ControllerConfig
+    from .nats_bus import NatsBus
+    from .nats_commands import JetStreamCommandQueue
+    from .outbox import OutboxPublisher
+    from .real_env import real_env
+
+    args.data_dir.mkdir(parents=True, exist_ok=True)
+    async with nats_for(args.data_dir, args.nats) as url:
+        bus = await NatsBus.connect(url, name="gpumesh-controller")
+        store = await SqliteEventStore.open(args.events_db)
+        try:
+            commands = await JetStreamCommandQueue.create(bus)
+            env = real_env(store, bus=bus)
+            controller = Controller(env, commands, ControllerConfig(health=health_policy(args)))
+            outbox = OutboxPublisher(store, bus)
+            print(f"controller: NATS {url}, event log {args.events_db}", file=sys.stderr)
+            await run_until_stopped(controller.run(extra=[outbox.run]))
+        finally:
+            await store.close()
+            await bus.close()
+    return 0
+
+
+async def run_until_stopped(main: Any) -> None:
+    """Run `main` until it ends or SIGTERM/SIGINT arrives; then cancel it and let it clean up."""
+    task = asyncio.ensure_future(main)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+# -- control API clients -----------------------------------------------------------------
+
+
+async def call(args: argparse.Namespace, verb: str, body: object) -> Any:
+    from .env import NoResponders, RequestTimeout
+    from .nats_bus import NatsBus
+
+    url = find_nats_url(args.data_dir, getattr(args, "nats", None))
+    bus = await NatsBus.connect(url, name="gpumesh-cli")
+    try:
+        raw = await bus.request(subjects.api(verb), msgspec.json.encode(body), timeout=30.0)
+    except NoResponders:
+        raise CommandFailed(
+            f"no controller is answering on {url} (is `gpumesh up` or "
+            "`gpumesh controller` running?)"
+        ) from None
+    except RequestTimeout:
+        raise CommandFailed(f"the controller on {url} did not answer within 30 s") from None
+    finally:
+        await bus.close()
+    reply = msgspec.json.decode(raw.data, type=ApiReply)
+    if not reply.ok:
+        raise CommandFailed(reply.error)
+    return reply.data
+
+
+def _emit(args: argparse.Namespace, data: Any, text: str) -> int:
+    print(msgspec.json.encode(data).decode() if args.json else text)
+    return 0
+
+
+async def cluster_create(args: argparse.Namespace) -> int:
+    try:
+        spec = parse_toml(args.file.read_text(), source=str(args.file))
+    except FileNotFoundError:
+        raise CommandFailed(f"no such spec file: {args.file}") from None
+    except SpecError as exc:
+        raise CommandFailed(f"{args.file}: {exc}") from None
+    data = await call(args, "cluster.create", spec)
+    return _emit(args, data, f"created cluster {spec.name} ({spec.replicas} replicas)")
+
+
+async def cluster_list(args: argparse.Namespace) -> int:
+    data = await call(args, "cluster.list", {})
+    rows = [f"{'NAME':20} {'READY':>7}  UNSCHEDULABLE"]
+    rows += [
+        f"{c['name']:20} {c['ready']:>3}/{c['desired']:<3}  {c['unschedulable']}" for c in data
+    ]
+    return _emit(args, data, "\n".join(rows) if data else "no clusters")
+
+
+async def cluster_show(args: argparse.Namespace) -> int:
+    c = await call(args, "cluster.get", {"name": args.name})
+    lines = [f"{c['name']}: {c['ready']}/{c['desired']} ready"]
+    if c["unschedulable"]:
+        lines.append(f"  unschedulable: {c['unschedulable']}")
+    for r in c["replicas"]:
+        lines.append(
+            f"  {r['replica_id']:16} epoch {r['epoch']:<3} {r['status']:9} "
+            f"{r['node_id']:14} {r['address'] or '-':28} {r['why']}"
+        )
+    return _emit(args, c, "\n".join(lines))
+
+
+async def cluster_scale(args: argparse.Namespace) -> int:
+    c = await call(args, "cluster.scale", {"name": args.name, "replicas": args.replicas})
+    return _emit(args, c, f"scaled {args.name} to {args.replicas} replicas")
+
+
+async def cluster_delete(args: argparse.Namespace) -> int:
+    data = await call(args, "cluster.delete", {"name": args.name})
+    return _emit(args, data, f"deleted cluster {args.name}")
+
+
+async def list_nodes(args: argparse.Namespace) -> int:
+    if args.drain:
+        data = await call(args, "node.drain", {"node_id": args.drain})
+        return _emit(args, data, f"draining {args.drain}")
+    nodes = await call(args, "node.list", {})
+    rows = [f"{'NODE':16} {'HEALTH':10} {'REASON':18} {'REGION':10} {'GPUS':>4}  MAX TEMP"]
+    for n in nodes:
+        temps = [g.get("temperature_c", 0.0) for g in n["metrics"]]
+        hottest = f"{max(temps):.0f} C" if temps else "-"
+        state = n["health"] + (" (drained)" if n["drained"] else "")
+        rows.append(
+            f"{n['node_id']:16} {state:10} {n['health_reason']:18} "
+            f"{n['region'] or '-':10} {len(n['gpus']):>4}  {hottest}"
+        )
+    return _emit(args, nodes, "\n".join(rows) if nodes else "no nodes")

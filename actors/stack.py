@@ -1,0 +1,32 @@
+"""How commands find a running stack: the NATS URL is written into the data directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def nats_url_file(data_dir: Path) -> Path:
+    return data_dir / "nats.url"
+
+
+def find_nats_url(data_dir: Path, explicit: str | None) -> str:
+    """--nats wins; else the URL a running `gpumesh up`/`controller` wrote; else the default."""
+    if explicit:
+        return explicit
+    path = nats_url_file(data_dir)
+    if path.exists():
+        return path.read_text().strip() or DEFAULT_NATS_URL
+    return DEFAULT_NATS_URL
+
+
+def write_nats_url(data_dir: Path, url: str) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    nats_url_file(data_dir).write_text(url + "\n")
+
+
+def clear_nats_url(data_dir: Path, url: str) -> None:
+    path = nats_url_file(data_dir)
+    if path.exists() and path.read_text().strip() == url:
+        path.unlink()

@@ -1,0 +1,228 @@
+"""`gpumesh up`: a whole local stack in one command.
+
+Embedded NATS, the controller (in this process), and N node agents with fake GPUs, each its own
+process so one can be killed the way a machine dies. `--demo` also creates a cluster of echo
+replicas. Ctrl-C stops the agents (which stop their workloads), then the controller, then NATS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from events import ClusterSpec, subjects
+from events.messages import ApiReply
+
+REGIONS = ("eu-west", "us-east", "ap-south")
+DEMO_CLUSTER = "echo"
+
+
+def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    up = commands.add_parser(
+        "up",
+        parents=list(parents),
+        help="run a whole local stack: NATS, controller, agents",
+        description="Start embedded NATS (JetStream, loopback), the controller and N node "
+        "agents with fake GPUs, each agent its own process. The data directory holds the event "
+        "log, NATS's files and the logs; other commands find this stack through it.",
+    )
+    up.add_argument("--nodes", type=int, default=3, help="how many local agents (default 3)")
+    up.add_argument(
+        "--fake-gpus",
+        default="RTX4090:24GiB:2",
+        help="each agent's fake GPUs, MODEL:VRAM:COUNT[,...] (default RTX4090:24GiB:2)",
+    )
+    up.add_argument(
+        "--demo",
+        action="store_true",
+        help=f"also create cluster '{DEMO_CLUSTER}': 3 replicas of the echo workload",
+    )
+    up.add_argument("--nats", metavar="URL", help="use this NATS instead of starting one")
+    up.set_defaults(handler=run_up)
+
+
+def demo_spec() -> ClusterSpec:
+    return ClusterSpec(
+        name=DEMO_CLUSTER,
+        replicas=3,
+        model=DEMO_CLUSTER,
+        command=f"{sys.executable} -m gpumesh workload echo --port {{port}} --model {{model}}",
+    )
+
+
+async def run_up(args: argparse.Namespace) -> int:
+    from actors.cli import health_policy, nats_for
+    from actors.controller import Controller, ControllerConfig
+    from actors.health import HealthPolicy
+    from actors.nats_bus import NatsBus
+    from actors.nats_commands import JetStreamCommandQueue
+    from actors.outbox import OutboxPublisher
+    from actors.real_env import real_env
+    from events.sqlite_store import SqliteEventStore
+
+    data_dir: Path = args.data_dir
+    logs = data_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    say = _progress
+    async with nats_for(data_dir, args.nats) as url:
+        say(f"NATS ready at {url}")
+        bus = await NatsBus.connect(url, name="gpumesh-up")
+        store = await SqliteEventStore.open(args.events_db)
+        agents: list[asyncio.subprocess.Process] = []
+        try:
+            commands = await JetStreamCommandQueue.create(bus)
+            policy = health_policy(args) if hasattr(args, "heartbeat_interval") else HealthPolicy()
+            controller = Controller(
+                real_env(store, bus=bus), commands, ControllerConfig(health=policy)
+            )
+            outbox = OutboxPublisher(store, bus)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            async with asyncio.TaskGroup() as tasks:
+                ctl = tasks.create_task(controller.run(extra=[outbox.run]), name="controller")
+                await controller.ready.wait()
+                say(f"controller ready; event log {args.events_db}")
+                for i in range(args.nodes):
+                    agents.append(await _spawn_agent(url, i, args, logs))
+                await _wait_nodes(controller, args.nodes, stop)
+                if args.demo and not stop.is_set():
+                    await _demo(bus, controller, stop)
+                _summary(args, url, controller)
+                await stop.wait()
+                say("stopping: agents first (they stop their workloads), then the controller")
+                await _stop_agents(agents)
+                ctl.cancel()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                asyncio.get_running_loop().remove_signal_handler(sig)
+            await _stop_agents(agents)
+            await store.close()
+            await bus.close()
+    say("stopped")
+    return 0
+
+
+def _progress(text: str) -> None:
+    print(f"gpumesh up: {text}", file=sys.stderr, flush=True)
+
+
+async def _spawn_agent(
+    url: str, index: int, args: argparse.Namespace, logs: Path
+) -> asyncio.subprocess.Process:
+    node_id = f"node-{index}"
+    # Opening a local log file is instant; the child inherits the descriptor.
+    log: IO[bytes] = open(logs / f"agent-{node_id}.log", "ab")  # noqa: SIM115, ASYNC230
+    try:
+        return await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "gpumesh",
+            "agent",
+            "--nats",
+            url,
+            "--node-id",
+            node_id,
+            "--fake-gpus",
+            args.fake_gpus,
+            "--region",
+            REGIONS[index % len(REGIONS)],
+            "--data-dir",
+            str(args.data_dir),
+            "--log-format",
+            "json",
+            stdout=log,
+            stderr=log,
+            stdin=asyncio.subprocess.DEVNULL,
+            # Its own session: Ctrl-C reaches only `up`, which then stops agents in order.
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    finally:
+        log.close()
+
+
+async def _wait_nodes(controller: Any, wanted: int, stop: asyncio.Event) -> None:
+    seen = -1
+    while not stop.is_set():
+        count = len(controller.live.state.nodes.nodes)
+        if count != seen:
+            _progress(f"nodes registered: {count}/{wanted}")
+            seen = count
+        if count >= wanted:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await stop.wait()
+
+
+async def _demo(bus: Any, controller: Any, stop: asyncio.Event) -> None:
+    if DEMO_CLUSTER not in controller.live.state.clusters.clusters:
+        raw = await bus.request(
+            subjects.api("cluster.create"), msgspec.json.encode(demo_spec()), timeout=30.0
+        )
+        reply = msgspec.json.decode(raw.data, type=ApiReply)
+        if not reply.ok:
+            _progress(f"demo cluster not created: {reply.error}")
+            return
+    seen = -1
+    while not stop.is_set():
+        ready = sum(
+            1
+            for r in controller.live.state.replicas.replicas.values()
+            if r.cluster == DEMO_CLUSTER and r.status == "ready"
+        )
+        if ready != seen:
+            _progress(f"demo cluster '{DEMO_CLUSTER}': {ready}/3 replicas ready")
+            seen = ready
+        if ready >= 3:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.5):
+                await stop.wait()
+
+
+def _summary(args: argparse.Namespace, url: str, controller: Any) -> None:
+    routes = controller.live.state.routing.routes.get(DEMO_CLUSTER, ())
+    lines = [
+        "",
+        "gpumesh is up.",
+        f"  NATS:        {url}  (no credentials: loopback only)",
+        f"  data dir:    {args.data_dir}",
+        f"  logs:        {args.data_dir / 'logs'}",
+        "  try:         gpumesh nodes   |   gpumesh cluster list   |   gpumesh events tail -f",
+    ]
+    if routes:
+        lines.append(
+            f"  a replica:   curl -s {routes[0].address}/v1/chat/completions -H "
+            '\'Content-Type: application/json\' -d \'{"model": "echo", "messages": '
+            '[{"role": "user", "content": "hello gpumesh"}]}\''
+        )
+    lines.append("  stop:        Ctrl-C")
+    print("\n".join(lines), flush=True)
+
+
+async def _stop_agents(agents: list[asyncio.subprocess.Process], grace: float = 15.0) -> None:
+    for proc in agents:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+    for proc in agents:
+        try:
+            async with asyncio.timeout(grace):
+                await proc.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    agents.clear()
