@@ -150,6 +150,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             NodeHeartbeat(
                 node_id=self.node_id,
                 seq=hb.seq,
+                sent_at_ns=hb.sent_at_ns,
                 gpus=hb.gpus,
                 probe_error=hb.probe_error,
                 running=tuple(

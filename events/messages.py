@@ -58,6 +58,7 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, t
 
     node_id: str
     seq: int
+    sent_at_ns: int = 0  # the agent's wall clock: latency and clock-skew diagnostics
     gpus: tuple[GpuMetrics, ...] = ()
     probe_error: str = ""
     replicas: tuple[ReplicaState, ...] = ()

@@ -64,6 +64,7 @@ class NodeHeartbeat(
 ):
     node_id: str
     seq: int  # the agent's own counter, to spot reordering and restarts
+    sent_at_ns: int = 0  # the agent's wall clock when it sent the heartbeat
     gpus: tuple[GpuMetrics, ...] = ()
     probe_error: str = ""  # non-empty when the GPU probe failed this time
     running: tuple[str, ...] = ()  # replica ids ("<replica>@<epoch>") the agent runs

@@ -1,0 +1,181 @@
+"""How many heartbeats one controller records as events, over real NATS, and how fast.
+
+A generator process registers N simulated nodes and publishes their heartbeats at a paced
+rate; this process runs the real controller (SQLite event store, synchronous=FULL, NATS) and
+counts committed `node.heartbeat.v1` events, with the latency from the agent's send to the
+commit being visible to a subscriber of the log.
+
+    python bench/heartbeats.py [--nodes 2000] [--rate 20000] [--seconds 20] [--json]
+
+Target (issue 3): at least 20,000 heartbeats/s recorded as events. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from actors.controller import Controller, ControllerConfig  # noqa: E402
+from actors.health import HealthPolicy  # noqa: E402
+from actors.nats_bus import NatsBus  # noqa: E402
+from actors.nats_server import EmbeddedNats  # noqa: E402
+from actors.real_env import real_env  # noqa: E402
+from events import subjects  # noqa: E402
+from events.messages import Heartbeat, Register  # noqa: E402
+from events.node import GpuInfo, GpuMetrics, NodeHeartbeat  # noqa: E402
+from events.sqlite_store import SqliteEventStore  # noqa: E402
+from sim.commands import MemoryCommandQueue  # noqa: E402
+
+TARGET = 20_000
+
+
+async def generate(url: str, nodes: int, rate: float, seconds: float) -> None:
+    """The load: register every node, then publish heartbeats round-robin at `rate` per second."""
+    from nats.aio.client import Client
+
+    nc = Client()
+    await nc.connect(url)
+    gpus = tuple(
+        GpuInfo(index=i, uuid=f"GPU-{i}", model="RTX4090", vram_mib=24_576) for i in range(2)
+    )
+    for n in range(nodes):
+        node_id = f"hb-{n:05d}"
+        await nc.request(
+            subjects.register(node_id),
+            msgspec.json.encode(Register(node_id=node_id, gpus=gpus)),
+            timeout=30,
+        )
+    metrics = (GpuMetrics(index=0, temperature_c=55.0), GpuMetrics(index=1, temperature_c=57.0))
+    encoder = msgspec.json.Encoder()
+    seq = [0] * nodes
+    sent = 0
+    start = time.perf_counter()
+    tick = 0.01
+    while (elapsed := time.perf_counter() - start) < seconds:
+        due = int(elapsed * rate) - sent
+        for _ in range(max(0, due)):
+            n = sent % nodes
+            seq[n] += 1
+            hb = Heartbeat(
+                node_id=f"hb-{n:05d}", seq=seq[n], sent_at_ns=time.time_ns(), gpus=metrics
+            )
+            await nc.publish(subjects.heartbeat(hb.node_id), encoder.encode(hb))
+            sent += 1
+        await nc.flush()
+        await asyncio.sleep(tick)
+    await nc.drain()
+    print(json.dumps({"sent": sent, "seconds": round(time.perf_counter() - start, 3)}))
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        async with EmbeddedNats(Path(tmp) / "nats") as server:
+            store = await SqliteEventStore.open(Path(tmp) / "events.db")
+            bus = await NatsBus.connect(server.url, name="bench-controller")
+            # Heartbeats arrive every nodes/rate seconds per node: give silence detection room.
+            interval = max(1.0, args.nodes / args.rate * 2)
+            controller = Controller(
+                real_env(store, bus=bus, seed=1),
+                MemoryCommandQueue(),
+                ControllerConfig(health=HealthPolicy(heartbeat_interval=interval)),
+            )
+            latencies: list[float] = []
+            counted = 0
+            window: list[float] = []
+
+            async def observe() -> None:
+                nonlocal counted
+                async for envelope in store.subscribe(1):
+                    if isinstance(envelope.payload, NodeHeartbeat) and envelope.payload.sent_at_ns:
+                        counted += 1
+                        now = time.time_ns()
+                        latencies.append((now - envelope.payload.sent_at_ns) / 1e6)
+                        window.append(time.perf_counter())
+
+            async with asyncio.TaskGroup() as tg:
+                ctl = tg.create_task(controller.run())
+                await controller.ready.wait()
+                obs = tg.create_task(observe())
+                cpu0 = time.process_time()
+                gen = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    __file__,
+                    "--generator",
+                    "--url",
+                    server.url,
+                    "--nodes",
+                    str(args.nodes),
+                    "--rate",
+                    str(args.rate),
+                    "--seconds",
+                    str(args.seconds),
+                    stdout=subprocess.PIPE,
+                )
+                out, _ = await gen.communicate()
+                sent = json.loads(out)["sent"]
+                # Let the tail drain, up to 10 s.
+                deadline = time.perf_counter() + 10
+                while counted < sent and time.perf_counter() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+                cpu = time.process_time() - cpu0
+                ctl.cancel()
+                obs.cancel()
+            await store.close()
+            await bus.close()
+    # Steady state: drop the first and last 10% of commit times.
+    steady = window[len(window) // 10 : len(window) * 9 // 10] or window
+    span = (steady[-1] - steady[0]) if len(steady) > 1 else float("nan")
+    rate = (len(steady) - 1) / span if len(steady) > 1 else 0.0
+    latencies.sort()
+    return {
+        "nodes": args.nodes,
+        "offered_per_second": args.rate,
+        "sent": sent,
+        "recorded": counted,
+        "dropped_by_controller": dict(controller.dropped),
+        "recorded_per_second": round(rate),
+        "target_per_second": TARGET,
+        "meets_target": rate >= TARGET,
+        "latency_ms_p50": round(statistics.median(latencies), 2) if latencies else None,
+        "latency_ms_p99": round(latencies[int(len(latencies) * 0.99)], 2) if latencies else None,
+        "controller_cpu_seconds": round(cpu, 2),
+        "controller_cpu_us_per_heartbeat": round(cpu / max(1, counted) * 1e6, 1),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=2000)
+    parser.add_argument("--rate", type=float, default=20_000, help="heartbeats offered per second")
+    parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--generator", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.generator:
+        asyncio.run(generate(args.url, args.nodes, args.rate, args.seconds))
+        return 0
+    result = asyncio.run(measure(args))
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:34} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
