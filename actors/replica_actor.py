@@ -39,7 +39,7 @@ class SlotState(msgspec.Struct, kw_only=True):
     cluster: str = ""
     node_id: str = ""
     epoch: int = 0
-    status: ReplicaStatus = "placed"
+    status: ReplicaStatus = "pending"  # no placement yet
     gpu_indices: tuple[int, ...] = ()
 
 
@@ -124,6 +124,8 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
         # After a controller crash a command may have been recorded but never sent: send again.
         # The command id is deterministic, so a duplicate is dropped by the queue and the agent.
         state = self.state
+        if state.epoch == 0:
+            return  # a new slot: nothing was ever sent
         if state.status in ("placed", "starting") and self.spec is not None:
             await self._send_start(state)
         elif state.status == "stopping":
@@ -213,6 +215,9 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
         self, ctx: ActorContext[ReplicaMsg], node_id: str, report: ReplicaState
     ) -> list[int]:
         state = self.state
+        if report.state == "failed":
+            # The agent lists a failed replica until told to stop it: clear it (idempotent).
+            await self._send_stop(node_id, report.epoch, "failed")
         if report.epoch < state.epoch or (report.epoch == state.epoch and node_id != state.node_id):
             if report.state in ("starting", "ready"):
                 ctx.log.warning(

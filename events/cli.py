@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import random
 import sys
 import time
@@ -81,6 +82,10 @@ def _matches(envelope: Envelope, args: argparse.Namespace) -> bool:
     return not (args.type_prefix and not envelope.type.startswith(args.type_prefix))
 
 
+def _render(envelope: Envelope, as_json: bool) -> str:
+    return (encode_envelope(envelope).decode() if as_json else format_line(envelope)) + "\n"
+
+
 def format_line(envelope: Envelope) -> str:
     """One readable line: position, time, stream@version, type, the payload's salient fields."""
     at = datetime.fromtimestamp(envelope.recorded_at / 1e9, tz=UTC)
@@ -117,18 +122,26 @@ async def tail_events(args: argparse.Namespace) -> int:
     out = sys.stdout
     try:
         head = await store.head()
-        position = (
-            args.from_position if args.from_position is not None else max(1, head - args.limit + 1)
-        )
+        if args.from_position is not None:
+            position = args.from_position
+        elif args.stream or args.type_prefix:
+            # The last --limit *matching* events: heartbeats would crowd out everything else.
+            recent: collections.deque[Envelope] = collections.deque(maxlen=args.limit)
+            position = 1
+            while page := await store.read_all(position, 20_000):
+                recent.extend(e for e in page if _matches(e, args))
+                position = page[-1].position + 1
+            for envelope in recent:
+                out.write(_render(envelope, args.json))
+            if not args.follow:
+                return 0
+        else:
+            position = max(1, head - args.limit + 1)
         while True:
             page = await store.read_all(position, 5_000)
             for envelope in page:
                 if _matches(envelope, args):
-                    out.write(
-                        encode_envelope(envelope).decode() + "\n"
-                        if args.json
-                        else format_line(envelope) + "\n"
-                    )
+                    out.write(_render(envelope, args.json))
             out.flush()
             if page:
                 position = page[-1].position + 1

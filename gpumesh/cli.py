@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     actors_cli.register(commands, [common])
 
+    from nodeagent import cli as nodeagent_cli
+
+    nodeagent_cli.register(commands, [common])
+
     from . import up
 
     up.register(commands, [common])

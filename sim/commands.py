@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from events.ids import valid_id
 from events.messages import Command
 
 
@@ -39,6 +40,9 @@ class MemoryCommandQueue:
         return self._queues.setdefault(node_id, _NodeQueue())
 
     async def send(self, node_id: str, command: Command) -> None:
+        if not valid_id(node_id):
+            # The same refusal as the JetStream queue, so tests catch what production would.
+            raise ValueError(f"invalid node id {node_id!r}: use 1-128 of [A-Za-z0-9_-]")
         q = self._queue(node_id)
         if command.command_id in q.ids:
             return

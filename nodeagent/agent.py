@@ -1,0 +1,376 @@
+"""The node agent's decision logic: register, heartbeat, obey commands, report, take faults.
+
+Time and randomness come from the Env (and the loop's clock), messaging from env.bus and the
+CommandQueue, GPUs from a GpuProbe and processes from a WorkloadDriver: with the fakes of each,
+the agent runs unchanged on the simulator's virtual-time loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Hashable
+from typing import Any, cast
+
+import msgspec
+
+from actors.command_queue import CommandQueue, Delivery
+from actors.env import BusError, Env, NoResponders, RequestTimeout
+from events import subjects
+from events.messages import (
+    Fault,
+    FaultReply,
+    Heartbeat,
+    Register,
+    RegisterReply,
+    ReplicaReport,
+    ReplicaState,
+    StartReplica,
+    StopReplica,
+)
+from events.node import GpuMetrics
+
+from .config import AgentConfig
+from .gpu.probe import FaultInjectable, GpuProbe, ProbeError
+from .replica import ReplicaRunner
+from .workload.base import WorkloadDriver
+
+_REGISTER_REPLY = msgspec.json.Decoder(RegisterReply)
+_FAULT = msgspec.json.Decoder(Fault)
+
+_PROBE_SHARE = 0.8  # of the heartbeat interval: a hung probe delays a heartbeat, never skips it
+_RETRY_S = 1.0  # before re-subscribing after the bus or the command stream failed
+_REMEMBERED = 10_000  # command ids and finished replicas kept for idempotency
+
+ReplicaKey = tuple[str, int]
+
+
+class _Recent:
+    """An insertion-ordered set that forgets its oldest entries beyond `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._items: dict[Hashable, None] = {}
+
+    def add(self, item: Hashable) -> None:
+        self._items[item] = None
+        if len(self._items) > self._limit:
+            del self._items[next(iter(self._items))]
+
+    def __contains__(self, item: object) -> bool:
+        return item in self._items
+
+
+class Agent:
+    def __init__(
+        self,
+        env: Env,
+        commands: CommandQueue,
+        probe: GpuProbe,
+        driver: WorkloadDriver,
+        config: AgentConfig,
+    ) -> None:
+        self._env = env.bind(node=config.node_id)
+        self._log: Any = self._env.log
+        self._rng = env.derive_rng(f"nodeagent/{config.node_id}")
+        self._commands = commands
+        self._probe = probe
+        self._driver = driver
+        self.config = config
+        self.heartbeat_interval = config.heartbeat_interval
+        self._runners: dict[ReplicaKey, ReplicaRunner] = {}
+        self._tasks: dict[ReplicaKey, asyncio.Task[None]] = {}
+        self._seen_commands = _Recent(_REMEMBERED)
+        self._finished = _Recent(_REMEMBERED)
+        self._registered = asyncio.Event()
+        self._reregister = asyncio.Event()
+        self._group: asyncio.TaskGroup | None = None
+        self._seq = 0
+        self._probe_failing = False
+        self.registrations = 0  # accepted registrations, for tests and status
+
+    @property
+    def registered(self) -> bool:
+        return self._registered.is_set()
+
+    def replicas(self) -> tuple[ReplicaState, ...]:
+        """Every replica this node was told to start and not yet told to stop (failed ones
+        included, so the controller sees them until it sends StopReplica)."""
+        return tuple(runner.state for runner in self._runners.values())
+
+    async def run(self) -> None:
+        """Serve until cancelled; on cancellation stop every workload (within the grace period)
+        before returning."""
+        self._log.info("agent_starting", interval_s=self.heartbeat_interval)
+        async with asyncio.TaskGroup() as group:
+            self._group = group
+            group.create_task(self._serve_faults(), name="agent faults")
+            group.create_task(self._registration(), name="agent registration")
+            await self._registered.wait()
+            group.create_task(self._heartbeats(), name="agent heartbeats")
+            group.create_task(self._consume_commands(), name="agent commands")
+
+    def force_stop(self) -> None:
+        """Cut the shutdown short (a second SIGTERM): workloads still inside their grace period
+        are killed now. Cancelling run() again would not do it: a TaskGroup that is already
+        cancelling its tasks does not pass a second cancellation on to them."""
+        for task in self._tasks.values():
+            task.cancel()
+
+    async def on_reconnect(self) -> None:
+        """Hook for the bus's reconnect callback: the controller may have lost us meanwhile."""
+        self._log.info("bus_reconnected")
+        self._reregister.set()
+
+    # Registration.
+
+    async def _registration(self) -> None:
+        while True:
+            self._reregister.clear()
+            await self._register_until_accepted()
+            self._registered.set()
+            await self._reregister.wait()
+
+    async def _register_until_accepted(self) -> None:
+        cfg = self.config
+        delay = cfg.register_backoff_s
+        attempt = 0
+        while True:
+            attempt += 1
+            why = await self._try_register()
+            if not why:
+                return
+            wait = self._rng.uniform(delay / 2, delay)  # jitter: a restarted fleet spreads out
+            log = self._log.warning if attempt == 1 else self._log.info
+            log("register_retry", attempt=attempt, why=why, retry_in_s=round(wait, 3))
+            await asyncio.sleep(wait)
+            delay = min(delay * 2, cfg.register_backoff_max_s)
+
+    async def _try_register(self) -> str:
+        """'' when the controller accepted us, else why not."""
+        try:
+            inventory = await self._probe.inventory()
+        except ProbeError as exc:
+            return f"cannot read the GPU inventory: {exc}"
+        cfg = self.config
+        message = Register(
+            node_id=cfg.node_id,
+            hostname=cfg.hostname,
+            address=cfg.address,
+            region=cfg.region,
+            zone=cfg.zone,
+            labels=dict(cfg.labels),
+            gpus=inventory.gpus,
+            driver_version=inventory.driver_version,
+            cuda_version=inventory.cuda_version,
+            agent_version=cfg.agent_version,
+            price_per_hour=cfg.price_per_hour,
+            replicas=self.replicas(),
+        )
+        subject = subjects.register(cfg.node_id)
+        try:
+            answer = await self._env.bus.request(
+                subject, msgspec.json.encode(message), timeout=cfg.register_timeout_s
+            )
+            reply = _REGISTER_REPLY.decode(answer.data)
+        except NoResponders:
+            return "no controller answers"
+        except RequestTimeout:
+            return f"no reply within {cfg.register_timeout_s:g} s"
+        except BusError as exc:
+            return f"bus error: {exc}"
+        except msgspec.DecodeError as exc:
+            return f"undecodable reply: {exc}"
+        if not reply.accepted:
+            return f"rejected: {reply.error or 'no reason given'}"
+        if reply.heartbeat_interval_s > 0:
+            self.heartbeat_interval = reply.heartbeat_interval_s
+        self.registrations += 1
+        self._log.info(
+            "registered",
+            gpus=len(inventory.gpus),
+            replicas=len(message.replicas),
+            interval_s=self.heartbeat_interval,
+        )
+        return ""
+
+    # Heartbeats.
+
+    async def _heartbeats(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            await self._heartbeat_once()
+            # Scheduled on a grid, so a slow probe does not make the interval drift; beats
+            # missed while the loop was stalled are skipped, not sent in a burst.
+            next_at = max(next_at + self.heartbeat_interval, loop.time())
+            await asyncio.sleep(next_at - loop.time())
+
+    async def _heartbeat_once(self) -> None:
+        self._seq += 1
+        timeout = _PROBE_SHARE * self.heartbeat_interval
+        gpus: tuple[GpuMetrics, ...] = ()
+        error = ""
+        try:
+            async with asyncio.timeout(timeout):
+                gpus = await self._probe.sample()
+        except ProbeError as exc:
+            error = str(exc) or "GPU probe failed"
+        except TimeoutError:
+            error = f"GPU probe did not answer within {timeout:g} s"
+        if bool(error) != self._probe_failing:
+            self._probe_failing = bool(error)
+            if error:
+                self._log.warning("gpu_probe_failing", error=error)
+            else:
+                self._log.info("gpu_probe_recovered")
+        beat = Heartbeat(
+            node_id=self.config.node_id,
+            seq=self._seq,
+            gpus=gpus,
+            probe_error=error,
+            replicas=self.replicas(),
+        )
+        await self._publish(subjects.heartbeat(self.config.node_id), beat)
+
+    # Reports.
+
+    async def _report(self, state: ReplicaState) -> None:
+        report = ReplicaReport(node_id=self.config.node_id, replica=state)
+        await self._publish(subjects.report(self.config.node_id), report)
+
+    async def _publish(self, subject: str, message: msgspec.Struct) -> None:
+        try:
+            await self._env.bus.publish(subject, msgspec.json.encode(message))
+        except BusError as exc:
+            # Heartbeats repeat every replica's state, so a lost message heals itself.
+            self._log.warning("publish_failed", subject=subject, error=str(exc))
+
+    # Commands.
+
+    async def _consume_commands(self) -> None:
+        while True:
+            deliveries = self._commands.consume(self.config.node_id)
+            try:
+                async for delivery in deliveries:
+                    await self._handle(delivery)
+                self._log.warning("command_stream_ended")
+            except Exception:
+                # A broken command stream must not take the running workloads down with it.
+                self._log.exception("command_stream_failed")
+            finally:
+                await _aclose(deliveries)
+            await asyncio.sleep(_RETRY_S)
+
+    async def _handle(self, delivery: Delivery) -> None:
+        try:
+            # Typed as object: a queue may hand over anything it managed to decode.
+            command = cast(object, delivery.command)
+        except Exception as exc:
+            # The queue decodes lazily; whatever it raises, the message is garbage to us.
+            self._log.error("command_undecodable", error=str(exc))
+            command = None
+        if not isinstance(command, StartReplica | StopReplica):
+            if command is not None:
+                self._log.error("command_unknown", type=type(command).__name__)
+            await self._ack(delivery)
+            return
+        log = self._log.bind(
+            command=command.command_id, replica=f"{command.replica_id}@{command.epoch}"
+        )
+        if command.command_id in self._seen_commands:
+            log.info("command_duplicate")
+        elif isinstance(command, StartReplica):
+            await self._start(command, log)
+        else:
+            await self._stop(command, log)
+        self._seen_commands.add(command.command_id)
+        await self._ack(delivery)
+
+    async def _ack(self, delivery: Delivery) -> None:
+        try:
+            await delivery.ack()
+        except BusError as exc:
+            # It will be delivered again, and recognised by its command id.
+            self._log.warning("command_ack_failed", error=str(exc))
+
+    async def _start(self, command: StartReplica, log: Any) -> None:
+        key = (command.replica_id, command.epoch)
+        if key in self._runners or key in self._finished:
+            log.info("start_ignored", why="this replica epoch already started here")
+            return
+        assert self._group is not None
+        runner = ReplicaRunner(
+            command, env=self._env, driver=self._driver, config=self.config, publish=self._report
+        )
+        self._runners[key] = runner
+        self._tasks[key] = self._group.create_task(
+            runner.run(), name=f"replica {command.replica_id}@{command.epoch}"
+        )
+        log.info("replica_start", gpus=command.gpu_indices, cluster=command.spec.name)
+        await runner.launched.wait()
+
+    async def _stop(self, command: StopReplica, log: Any) -> None:
+        key = (command.replica_id, command.epoch)
+        runner = self._runners.get(key)
+        if runner is None:
+            log.info("stop_ignored", why="this replica epoch does not run here")
+            return
+        task = self._tasks[key]
+        runner.prepare_stop(command.grace_s, command.reason)
+        log.info("replica_stop", grace_s=command.grace_s, reason=command.reason)
+        if task.done():
+            await runner.mark_stopped()  # it had given up: nothing left to stop
+        else:
+            task.cancel()
+            # asyncio.wait, not await: the task's CancelledError is its own, not ours.
+            await asyncio.wait({task})
+        del self._runners[key], self._tasks[key]
+        self._finished.add(key)
+
+    # Faults.
+
+    async def _serve_faults(self) -> None:
+        subject = subjects.fault(self.config.node_id)
+        while True:
+            try:
+                subscription = await self._env.bus.subscribe(subject)
+            except BusError as exc:
+                self._log.warning("fault_subscribe_failed", error=str(exc))
+                await asyncio.sleep(_RETRY_S)
+                continue
+            try:
+                async for msg in subscription:
+                    reply = self.apply_fault(msg.data)
+                    if msg.reply:
+                        try:
+                            await self._env.bus.publish(msg.reply, msgspec.json.encode(reply))
+                        except BusError as exc:
+                            self._log.warning("fault_reply_failed", error=str(exc))
+            finally:
+                await subscription.unsubscribe()
+
+    def apply_fault(self, data: bytes) -> FaultReply:
+        try:
+            fault = _FAULT.decode(data)
+        except msgspec.DecodeError as exc:
+            self._log.warning("fault_undecodable", error=str(exc))
+            return FaultReply(ok=False, error=f"undecodable fault: {exc}")
+        if not isinstance(self._probe, FaultInjectable):
+            return FaultReply(
+                ok=False,
+                error="this agent reads real GPUs (NVML); faults can be injected only into "
+                "an agent started with --fake-gpus",
+            )
+        try:
+            self._probe.apply_fault(fault)
+        except ValueError as exc:
+            return FaultReply(ok=False, error=str(exc))
+        self._log.warning("fault_injected", kind=fault.kind, value=fault.value, gpu=fault.gpu)
+        return FaultReply(ok=True)
+
+
+async def _aclose(iterator: AsyncIterator[Any]) -> None:
+    """Close an async generator now, rather than whenever it is garbage-collected."""
+    aclose = getattr(iterator, "aclose", None)
+    if aclose is not None:
+        await aclose()

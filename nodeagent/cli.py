@@ -1,0 +1,322 @@
+"""`gpumesh agent`, `gpumesh agent fault` and `gpumesh workload echo`.
+
+gpumesh/cli.py wires them with `nodeagent.cli.register(commands, [common])`, which adds the
+top-level `agent` and `workload` commands. The NATS adapters are imported inside the handlers,
+so building the parser (and the unit tests) never loads nats-py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.metadata
+import socket
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from actors.env import BusError, NoResponders, RequestTimeout
+from actors.shutdown import install_signal_handlers
+from events import subjects
+from events.ids import valid_id
+from events.messages import Fault, FaultReply
+
+from .config import AgentConfig
+from .workload import echo
+
+FAULT_KINDS = ("thermal", "driver", "ecc", "xid", "clear")
+
+
+def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    """Add the `agent` (with its `fault` action) and `workload` commands to `commands`."""
+    register_agent(commands, parents)
+    register_workload(commands, parents)
+
+
+def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    agent = commands.add_parser(
+        "agent",
+        parents=list(parents),
+        help="run the node agent on a GPU machine",
+        description="Register this machine's GPUs with the controller, heartbeat their health "
+        "and run the replicas it is told to. `gpumesh agent fault` injects faults into an "
+        "agent running with --fake-gpus.",
+    )
+    agent.add_argument("--nats", metavar="URL", help=_NATS_HELP)
+    agent.add_argument("--node-id", metavar="ID", help="this node's id ([A-Za-z0-9_-]); required")
+    agent.add_argument(
+        "--fake-gpus",
+        metavar="SPEC",
+        help="declare fake GPUs instead of reading NVML, e.g. RTX4090:24GiB:2,A100:80GiB:1",
+    )
+    agent.add_argument("--region", default="")
+    agent.add_argument("--zone", default="")
+    agent.add_argument(
+        "--label",
+        action="append",
+        type=_label,
+        default=[],
+        metavar="KEY=VALUE",
+        help="a node label placement can require (repeatable)",
+    )
+    agent.add_argument("--price", type=float, default=0.0, help="cost per hour, for placement")
+    agent.add_argument(
+        "--address",
+        default="127.0.0.1",
+        help="host where this node's workloads are reachable (default 127.0.0.1)",
+    )
+    agent.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds, until the controller sets it (default 1)",
+    )
+    agent.add_argument("--workload-driver", choices=["process", "docker"], default="process")
+    agent.add_argument(
+        "--stop-grace",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between SIGTERM and SIGKILL when stopping workloads at shutdown",
+    )
+    agent.set_defaults(handler=run_agent)
+
+    actions = agent.add_subparsers(dest="agent_command", metavar="ACTION")
+    fault = actions.add_parser(
+        "fault",
+        parents=list(parents),
+        help="inject a fault into an agent's fake GPUs",
+        description="Drive a --fake-gpus agent's GPUs: thermal VALUE sets the temperature (C); "
+        "driver makes the probe fail; ecc/xid add VALUE errors (default 1); clear resets all.",
+    )
+    fault.add_argument("node", help="the agent's node id")
+    fault.add_argument("kind", choices=FAULT_KINDS)
+    fault.add_argument("value", nargs="?", type=float, default=0.0)
+    fault.add_argument("--gpu", type=int, default=-1, help="GPU index (default: every GPU)")
+    # SUPPRESS: `agent --nats X fault ...` keeps X instead of this parser's default.
+    fault.add_argument("--nats", metavar="URL", default=argparse.SUPPRESS, help=_NATS_HELP)
+    fault.add_argument("--timeout", type=float, default=5.0, metavar="S")
+    fault.set_defaults(handler=send_fault)
+
+
+def register_workload(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    workload = commands.add_parser(
+        "workload",
+        parents=list(parents),
+        help="run a reference workload",
+        description="Reference workloads for demos, tests and benchmarks.",
+    )
+    kinds = workload.add_subparsers(dest="workload_command", metavar="WORKLOAD", required=True)
+    echo_parser = kinds.add_parser(
+        "echo",
+        parents=list(parents),
+        help="an OpenAI-compatible server that echoes the prompt",
+        description="An OpenAI-compatible server (/v1/models, /v1/chat/completions, "
+        "/v1/completions with streaming, /health) whose answer is the prompt's words.",
+    )
+    echo.add_arguments(echo_parser)
+    echo_parser.set_defaults(handler=run_echo)
+
+
+_NATS_HELP = (
+    "NATS server URL (default: the local stack's, from <data-dir>/nats.url, "
+    "else nats://127.0.0.1:4222)"
+)
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def _error(message: str) -> None:
+    print(f"gpumesh: error: {message}", file=sys.stderr)
+
+
+def _nats_url(args: argparse.Namespace) -> str:
+    from actors.stack import find_nats_url
+
+    return find_nats_url(Path(getattr(args, "data_dir", None) or "."), getattr(args, "nats", None))
+
+
+def _agent_version() -> str:
+    try:
+        return importlib.metadata.version("gpumesh")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+async def run_agent(args: argparse.Namespace) -> int:
+    if not args.node_id:
+        _error("agent needs --node-id ID (e.g. --node-id gpu-1)")
+        return 2
+    try:
+        config = AgentConfig(
+            node_id=args.node_id,
+            hostname=socket.gethostname(),
+            address=args.address,
+            region=args.region,
+            zone=args.zone,
+            labels=dict(args.label),
+            price_per_hour=args.price,
+            heartbeat_interval=args.heartbeat_interval,
+            stop_grace_s=args.stop_grace,
+            agent_version=_agent_version(),
+        )
+    except ValueError as exc:
+        _error(str(exc))
+        return 2
+    closing = contextlib.AsyncExitStack()  # what must be closed however we leave
+    try:
+        try:
+            probe = await _open_probe(args, closing)
+            driver = await _open_driver(args)
+        except _Unusable as exc:
+            _error(str(exc))
+            return 2
+        return await _serve(args, config, probe, driver)
+    finally:
+        await closing.aclose()
+
+
+class _Unusable(Exception):
+    """A one-line reason the agent cannot run on this machine as asked."""
+
+
+async def _open_probe(args: argparse.Namespace, stack: contextlib.AsyncExitStack) -> Any:
+    from .gpu import FakeGpuProbe, NoGpuError, NvmlProbe
+
+    if args.fake_gpus:
+        try:
+            return FakeGpuProbe.parse(args.fake_gpus, node_id=args.node_id)
+        except ValueError as exc:
+            raise _Unusable(str(exc)) from None
+    try:
+        probe = await NvmlProbe.open()
+    except NoGpuError as exc:
+        raise _Unusable(str(exc)) from None
+    stack.push_async_callback(probe.close)
+    return probe
+
+
+async def _open_driver(args: argparse.Namespace) -> Any:
+    from .workload.base import DriverUnavailable
+
+    log_dir = Path(getattr(args, "data_dir", None) or ".") / "logs" / "replicas" / args.node_id
+    if args.workload_driver == "docker":
+        from .workload.docker import DockerDriver
+
+        driver = DockerDriver(log_dir)
+        try:
+            await driver.check()
+        except DriverUnavailable as exc:
+            raise _Unusable(str(exc)) from None
+        return driver
+    from .workload.process import ProcessDriver
+
+    return ProcessDriver(log_dir)
+
+
+async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driver: Any) -> int:
+    from actors.nats_bus import BusUnavailable, NatsBus
+    from actors.nats_commands import JetStreamCommandQueue
+    from actors.real_env import real_env
+    from events import MemoryEventStore
+
+    from .agent import Agent
+
+    url = _nats_url(args)
+    try:
+        bus = await NatsBus.connect(url, name=f"gpumesh-agent-{config.node_id}")
+    except BusUnavailable as exc:
+        _error(str(exc))
+        return 1
+    try:
+        commands = await JetStreamCommandQueue.create(bus)
+        # The agent keeps no events of its own; the Env's store is a placeholder.
+        env = real_env(MemoryEventStore(), bus=bus)
+        agent = Agent(env, commands, probe, driver, config)
+        bus.add_reconnect_callback(agent.on_reconnect)
+        await run_until_signal(agent.run(), force=agent.force_stop)
+    except BusError as exc:
+        _error(f"NATS at {url}: {exc}")
+        return 1
+    finally:
+        await bus.close()
+    return 0
+
+
+async def run_until_signal(
+    main: Coroutine[Any, Any, None], *, force: Callable[[], None] | None = None
+) -> None:
+    """Run `main` until it returns, or until SIGTERM/SIGINT cancels it; a second signal calls
+    `force` (the agent then kills the workloads it is still stopping gracefully)."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.TaskGroup() as group:
+        task = group.create_task(main, name="main")
+
+        def first() -> None:
+            task.cancel()
+
+        def second() -> None:
+            if force is not None:
+                force()
+
+        with install_signal_handlers(loop, first, second):
+            await asyncio.wait({task})
+
+
+async def send_fault(args: argparse.Namespace) -> int:
+    from actors.nats_bus import BusUnavailable, NatsBus
+
+    if not valid_id(args.node):
+        _error(f"invalid node id {args.node!r}")
+        return 2
+    fault = Fault(kind=args.kind, value=args.value, gpu=args.gpu)
+    url = _nats_url(args)
+    try:
+        bus = await NatsBus.connect(url, name="gpumesh-fault")
+    except BusUnavailable as exc:
+        _error(str(exc))
+        return 1
+    try:
+        answer = await bus.request(
+            subjects.fault(args.node), msgspec.json.encode(fault), timeout=args.timeout
+        )
+        reply = msgspec.json.decode(answer.data, type=FaultReply)
+    except NoResponders:
+        _error(f"no agent answers for node {args.node!r} at {url} (is it running?)")
+        return 1
+    except RequestTimeout:
+        _error(f"agent {args.node!r} did not answer within {args.timeout:g} s")
+        return 1
+    except (BusError, msgspec.DecodeError) as exc:
+        _error(f"fault for {args.node!r} failed: {exc}")
+        return 1
+    finally:
+        await bus.close()
+    if not reply.ok:
+        _error(f"agent {args.node!r} refused the fault: {reply.error}")
+        return 1
+    value = f" {args.value:g}" if args.kind in ("thermal", "ecc", "xid") and args.value else ""
+    where = "every GPU" if args.gpu == -1 else f"GPU {args.gpu}"
+    print(f"{args.node}: {args.kind}{value} applied to {where}")
+    return 0
+
+
+async def run_echo(args: argparse.Namespace) -> int:
+    await echo.serve(
+        args.port,
+        host=args.host,
+        model=args.model,
+        ttft_ms=args.ttft_ms,
+        tokens_per_s=args.tokens_per_s,
+    )
+    return 0

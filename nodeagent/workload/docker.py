@@ -1,0 +1,278 @@
+"""Run a replica as a docker container with its GPUs passed through (`--gpus`).
+
+The container publishes its port on the agent's host only; `docker wait` tells us the exit code
+and `docker logs -f` copies its output to the replica's log file, because `--rm` removes the
+container, and its logs with it, once it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+import structlog
+
+from events.cluster import ClusterSpec
+
+from .base import (
+    DriverUnavailable,
+    WorkloadEnded,
+    WorkloadStartError,
+    gpu_ids,
+    model_name,
+    render_args,
+)
+from .ports import free_port
+from .probing import ProbeSettings, exit_within, wait_ready, watch
+
+_log = structlog.get_logger("gpumesh.nodeagent.docker")
+
+DEFAULT_CONTAINER_PORT = 8000  # what vLLM, TGI and most OpenAI-compatible servers listen on
+_CLI_TIMEOUT_S = 30.0  # for the short docker commands (info, rm, stop's own round trip)
+
+
+def docker_run_argv(
+    docker: str,
+    *,
+    name: str,
+    replica_id: str,
+    epoch: int,
+    spec: ClusterSpec,
+    gpu_indices: Sequence[int],
+    host: str,
+    host_port: int,
+) -> list[str]:
+    """The `docker run` command line for one replica."""
+    container_port = spec.port or DEFAULT_CONTAINER_PORT
+    argv = [docker, "run", "--rm", "-d", "--name", name]
+    argv += ["--label", f"gpumesh.replica={replica_id}", "--label", f"gpumesh.epoch={epoch}"]
+    if gpu_indices:
+        # The quotes are docker's: without them the comma would split the --gpus option.
+        argv += ["--gpus", f'"device={gpu_ids(gpu_indices)}"']
+    argv += ["-p", f"{host}:{host_port}:{container_port}"]
+    for key, value in spec.env.items():
+        argv += ["-e", f"{key}={value}"]
+    argv.append(spec.image)
+    if spec.command:
+        # Inside the container the passed-through GPUs are numbered from 0 again.
+        local_ids = ",".join(str(i) for i in range(len(gpu_indices)))
+        argv += render_args(
+            shlex.split(spec.command),
+            port=container_port,
+            gpu_ids=local_ids,
+            model=model_name(spec),
+        )
+    return argv
+
+
+class DockerDriver:
+    """Implements WorkloadDriver with `docker run`. Call `await check()` first."""
+
+    def __init__(
+        self,
+        log_dir: Path,
+        *,
+        docker: str = "docker",
+        probes: ProbeSettings | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.log_dir = log_dir
+        self.docker = docker
+        self.probes = probes if probes is not None else ProbeSettings()
+        self.host = host
+
+    async def check(self) -> None:
+        """DriverUnavailable (one clear line) unless a docker engine answers."""
+        try:
+            code, _, err = await _run(self.docker, "info", "--format", "{{.ServerVersion}}")
+        except FileNotFoundError:
+            raise DriverUnavailable(
+                f"docker is not installed ({self.docker!r} not found); "
+                "install docker or use --workload-driver process"
+            ) from None
+        except TimeoutError:
+            raise DriverUnavailable(
+                f"no docker engine answers (`{self.docker} info` took over "
+                f"{_CLI_TIMEOUT_S:g} s); use --workload-driver process"
+            ) from None
+        if code != 0:
+            raise DriverUnavailable(
+                f"no docker engine answers (docker info: {_last_line(err)}); "
+                "start the docker daemon or use --workload-driver process"
+            )
+
+    async def start(
+        self,
+        replica_id: str,
+        epoch: int,
+        spec: ClusterSpec,
+        gpu_indices: Sequence[int],
+        port: int,
+    ) -> DockerWorkload:
+        if not spec.image:
+            raise WorkloadStartError(f"cluster {spec.name!r} has no image for the docker driver")
+        host_port = port or free_port(self.host)
+        name = f"gpumesh-{replica_id}-{epoch}"
+        # A container of the same name is left from an earlier run of this replica: ours to end.
+        await _run(self.docker, "rm", "-f", name)
+        argv = docker_run_argv(
+            self.docker,
+            name=name,
+            replica_id=replica_id,
+            epoch=epoch,
+            spec=spec,
+            gpu_indices=gpu_indices,
+            host=self.host,
+            host_port=host_port,
+        )
+        try:
+            # No timeout: `docker run` pulls the image first, which can take long.
+            code, out, err = await _run(*argv, timeout=None)
+        except FileNotFoundError:
+            raise WorkloadStartError(f"docker is not installed ({self.docker!r})") from None
+        if code != 0:
+            raise WorkloadStartError(f"docker run failed: {_last_line(err)}")
+        container = out.strip()
+        waiter = await asyncio.create_subprocess_exec(
+            self.docker,
+            "wait",
+            container,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        log_path = self.log_dir / f"{replica_id}-{epoch}.log"
+        logs = await _follow_logs(self.docker, container, log_path)
+        _log.info("container_started", replica=replica_id, epoch=epoch, container=container[:12])
+        url = f"http://{self.host}:{host_port}{spec.health_path}"
+        return DockerWorkload(
+            self.docker,
+            container,
+            port=host_port,
+            url=url,
+            probes=self.probes,
+            waiter=waiter,
+            logs=logs,
+        )
+
+
+class DockerWorkload:
+    """Implements RunningWorkload for one container."""
+
+    def __init__(
+        self,
+        docker: str,
+        container: str,
+        *,
+        port: int,
+        url: str,
+        probes: ProbeSettings,
+        waiter: asyncio.subprocess.Process,
+        logs: asyncio.subprocess.Process,
+    ) -> None:
+        self._docker = docker
+        self.container = container
+        self._port = port
+        self.url = url
+        self._probes = probes
+        self._waiter = waiter
+        self._logs = logs
+        self._exit_code: int | None = None
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    async def _wait_exit(self) -> int:
+        # Waiting on the process, not reading its pipe, so a cancelled wait loses nothing.
+        await self._waiter.wait()
+        if self._exit_code is None:
+            assert self._waiter.stdout is not None
+            text = (await self._waiter.stdout.read()).decode().strip()
+            self._exit_code = int(text) if text.lstrip("-").isdigit() else -1
+        return self._exit_code
+
+    async def wait_ready(self) -> WorkloadEnded | None:
+        return await wait_ready(self.url, self._probes, self._wait_exit)
+
+    async def wait_ended(self) -> WorkloadEnded:
+        return await watch(self.url, self._probes, self._wait_exit)
+
+    async def stop(self, grace_s: float) -> WorkloadEnded:
+        try:
+            if self._waiter.returncode is None:
+                # docker stop sends SIGTERM, then SIGKILL after -t seconds (whole seconds only).
+                seconds = str(math.ceil(max(grace_s, 0)))
+                try:
+                    await _run(
+                        self._docker, "stop", "-t", seconds, self.container,
+                        timeout=grace_s + _CLI_TIMEOUT_S,
+                    )  # fmt: skip
+                except TimeoutError:
+                    await _run(self._docker, "kill", self.container)
+            code = await exit_within(self._wait_exit, _CLI_TIMEOUT_S)
+        except asyncio.CancelledError:
+            await _run(self._docker, "kill", self.container)
+            raise
+        finally:
+            # `docker logs -f` ends with the container; a moment lets it write the last lines.
+            await exit_within(self._logs.wait, 2.0)
+            await _reap(self._logs)
+            await _reap(self._waiter)
+        return WorkloadEnded("stopped", code)
+
+
+async def _run(*argv: str, timeout: float | None = _CLI_TIMEOUT_S) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with asyncio.timeout(timeout):
+            out, err = await proc.communicate()
+    except BaseException:
+        await _reap(proc)
+        raise
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+
+
+async def _follow_logs(docker: str, container: str, log_path: Path) -> asyncio.subprocess.Process:
+    def open_log() -> IO[bytes]:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        return log_path.open("ab")
+
+    handle = await asyncio.to_thread(open_log)
+    try:
+        return await asyncio.create_subprocess_exec(
+            docker,
+            "logs",
+            "-f",
+            container,
+            stdout=handle,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+    finally:
+        handle.close()  # the child holds its own copy of the descriptor
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> None:
+    """Kill a helper process if it is still running, and wait for it."""
+    if proc.returncode is None:
+        try:
+            proc.kill()
+        except ProcessLookupError:
+            pass
+    await proc.wait()
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"

@@ -1,0 +1,102 @@
+"""HTTP readiness and liveness probes, shared by the process and docker drivers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+
+from .base import WorkloadEnded
+
+ExitWaiter = Callable[[], Awaitable[int]]
+"""Returns the workload's exit code once it has exited (cancellable)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSettings:
+    readiness_timeout_s: float = 300.0  # loading a large model's weights takes minutes
+    readiness_interval_s: float = 0.2
+    liveness_interval_s: float = 2.0
+    liveness_failures: int = 3  # in a row: one slow answer under load is not a dead server
+    request_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.liveness_failures < 1:
+            raise ValueError(f"liveness_failures must be at least 1, got {self.liveness_failures}")
+
+
+@asynccontextmanager
+async def _session(settings: ProbeSettings) -> AsyncIterator[aiohttp.ClientSession]:
+    # force_close: every probe opens a fresh connection, as a new client would; a kept-alive
+    # socket can outlive a wedged accept loop and make a dead server look healthy.
+    connector = aiohttp.TCPConnector(force_close=True)
+    timeout = aiohttp.ClientTimeout(total=settings.request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        yield session
+
+
+async def check(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str:
+    """'' when GET `url` answers 200, else a short reason."""
+    try:
+        async with session.get(url, allow_redirects=False) as response:
+            return "" if response.status == 200 else f"HTTP {response.status}"
+    except TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except aiohttp.ClientConnectorError as exc:
+        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
+    except (aiohttp.ClientError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"[:160]
+
+
+async def exit_within(wait_exit: ExitWaiter, seconds: float) -> int | None:
+    """The exit code if the workload exits within `seconds`, else None."""
+    try:
+        async with asyncio.timeout(max(seconds, 0.0)):
+            return await wait_exit()
+    except TimeoutError:
+        return None
+
+
+async def wait_ready(
+    url: str, settings: ProbeSettings, wait_exit: ExitWaiter
+) -> WorkloadEnded | None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + settings.readiness_timeout_s
+    async with _session(settings) as session:
+        while True:
+            failure = await check(session, url, settings.request_timeout_s)
+            if not failure:
+                return None
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return WorkloadEnded(
+                    "readiness_timeout",
+                    detail=f"no HTTP 200 from {url} within "
+                    f"{settings.readiness_timeout_s:g} s (last: {failure})",
+                )
+            code = await exit_within(wait_exit, min(settings.readiness_interval_s, remaining))
+            if code is not None:
+                return WorkloadEnded("exited", code, detail="before it was ready")
+
+
+async def watch(url: str, settings: ProbeSettings, wait_exit: ExitWaiter) -> WorkloadEnded:
+    failures = 0
+    async with _session(settings) as session:
+        while True:
+            code = await exit_within(wait_exit, settings.liveness_interval_s)
+            if code is not None:
+                return WorkloadEnded("exited", code)
+            failure = await check(session, url, settings.request_timeout_s)
+            failures = failures + 1 if failure else 0
+            if failures >= settings.liveness_failures:
+                # A server that just died fails its checks too; its exit code says more.
+                code = await exit_within(wait_exit, 0)
+                if code is not None:
+                    return WorkloadEnded("exited", code)
+                return WorkloadEnded(
+                    "liveness_failed",
+                    detail=f"{failures} failed health checks in a row (last: GET {url}: {failure})",
+                )

@@ -1,0 +1,202 @@
+"""DockerDriver: the clear message when no engine answers, and the `docker run` it builds.
+
+Running containers needs a docker engine (and the NVIDIA runtime for --gpus); those tests
+are skipped where none answers, as on the CI machines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from events.cluster import ClusterSpec
+from nodeagent.workload import DriverUnavailable, WorkloadStartError
+from nodeagent.workload.docker import DockerDriver, docker_run_argv
+from nodeagent.workload.probing import ProbeSettings
+
+FAST = ProbeSettings(readiness_timeout_s=20, readiness_interval_s=0.05, liveness_interval_s=0.05)
+
+
+def _engine_answers() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    done = subprocess.run(["docker", "info"], capture_output=True, timeout=20, check=False)
+    return done.returncode == 0
+
+
+def fake_docker(tmp_path: Path, script: str) -> str:
+    path = tmp_path / "docker"
+    path.write_text(f"#!{sys.executable}\nimport sys\n{script}\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+async def test_check_says_docker_is_not_installed(tmp_path: Path) -> None:
+    driver = DockerDriver(tmp_path, docker=str(tmp_path / "no-such-docker"))
+    with pytest.raises(DriverUnavailable) as caught:
+        await driver.check()
+    message = str(caught.value)
+    assert "docker is not installed" in message
+    assert "--workload-driver process" in message
+    assert "\n" not in message
+
+
+async def test_check_says_no_engine_answers_with_dockers_own_reason(tmp_path: Path) -> None:
+    docker = fake_docker(
+        tmp_path,
+        'print("Client:\\n Version: 28.2.2\\n\\nServer:")\n'
+        "print('Cannot connect to the Docker daemon at unix:///var/run/docker.sock. "
+        "Is the docker daemon running?', file=sys.stderr)\n"
+        "sys.exit(1)",
+    )
+    with pytest.raises(DriverUnavailable) as caught:
+        await DockerDriver(tmp_path, docker=docker).check()
+    message = str(caught.value)
+    assert message.startswith("no docker engine answers (docker info: Cannot connect to the Docker")
+    assert message.endswith("start the docker daemon or use --workload-driver process")
+    assert "\n" not in message
+
+
+async def test_check_passes_when_the_engine_answers(tmp_path: Path) -> None:
+    await DockerDriver(tmp_path, docker=fake_docker(tmp_path, 'print("28.2.2")')).check()
+
+
+def test_run_argv_passes_gpus_ports_env_and_the_rendered_command() -> None:
+    spec = ClusterSpec(
+        name="llama",
+        image="vllm/vllm-openai:v0.6.0",
+        command="--model {model} --port {port} --devices {gpu_ids}",
+        model="meta-llama/Llama-3-8B",
+        env={"HF_HOME": "/cache"},
+        port=8080,
+    )
+    argv = docker_run_argv(
+        "docker",
+        name="gpumesh-r1-2",
+        replica_id="r1",
+        epoch=2,
+        spec=spec,
+        gpu_indices=(2, 3),
+        host="127.0.0.1",
+        host_port=41000,
+    )
+    assert argv == [
+        "docker", "run", "--rm", "-d", "--name", "gpumesh-r1-2",
+        "--label", "gpumesh.replica=r1", "--label", "gpumesh.epoch=2",
+        "--gpus", '"device=2,3"',
+        "-p", "127.0.0.1:41000:8080",
+        "-e", "HF_HOME=/cache",
+        "vllm/vllm-openai:v0.6.0",
+        # Inside the container the GPUs are renumbered from 0, and the port is the container's.
+        "--model", "meta-llama/Llama-3-8B", "--port", "8080", "--devices", "0,1",
+    ]  # fmt: skip
+
+
+def test_run_argv_without_gpus_or_command_uses_the_image_defaults() -> None:
+    argv = docker_run_argv(
+        "docker",
+        name="n",
+        replica_id="r",
+        epoch=1,
+        spec=ClusterSpec(name="x", image="echo:latest"),
+        gpu_indices=(),
+        host="127.0.0.1",
+        host_port=5000,
+    )
+    assert "--gpus" not in argv
+    assert argv[-3:] == ["-p", "127.0.0.1:5000:8000", "echo:latest"]
+
+
+@pytest.fixture
+def docker_stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path]:
+    """An executable `docker` that runs tests/nodeagent/fake_docker.py, and its state dir."""
+    state = tmp_path / "docker-state"
+    state.mkdir()
+    monkeypatch.setenv("FAKE_DOCKER_STATE", str(state))
+    script = Path(__file__).with_name("fake_docker.py")
+    return fake_docker(
+        tmp_path, f"import runpy\nrunpy.run_path({str(script)!r}, run_name='__main__')"
+    ), state
+
+
+@pytest.mark.integration
+async def test_the_container_lifecycle_against_a_docker_stand_in(
+    tmp_path: Path, docker_stand_in: tuple[str, Path]
+) -> None:
+    docker, state = docker_stand_in
+    driver = DockerDriver(tmp_path / "logs", docker=docker, probes=FAST)
+    await driver.check()
+    spec = ClusterSpec(name="chat", image="gpumesh/echo:latest", env={"A": "1"})
+    workload = await driver.start("r1", 2, spec, (0, 1), 0)
+    try:
+        assert await workload.wait_ready() is None
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{workload.port}/v1/models") as response,
+        ):
+            assert response.status == 200
+    finally:
+        ended = await workload.stop(2.0)
+    assert (ended.reason, ended.exit_code) == ("stopped", 0)
+    run_args = json.loads((state / "run.json").read_text())
+    assert run_args[:4] == ["--rm", "-d", "--name", "gpumesh-r1-2"]
+    assert run_args[8:10] == ["--gpus", '"device=0,1"']
+    assert f"127.0.0.1:{workload.port}:8000" in run_args
+    log = (tmp_path / "logs" / "r1-2.log").read_text()
+    assert "fake container log line" in log
+
+
+@pytest.mark.integration
+async def test_a_container_exit_is_detected_with_its_code(
+    tmp_path: Path, docker_stand_in: tuple[str, Path]
+) -> None:
+    docker, state = docker_stand_in
+    driver = DockerDriver(tmp_path / "logs", docker=docker, probes=FAST)
+    workload = await driver.start("r1", 1, ClusterSpec(name="x", image="x"), (), 0)
+    try:
+        assert await workload.wait_ready() is None
+        os.kill(int((state / "c1.pid").read_text()), signal.SIGKILL)
+        (state / "c1.exit").write_text("137")
+        ended = await asyncio.wait_for(workload.wait_ended(), 10)
+        assert (ended.reason, ended.exit_code) == ("exited", 137)
+    finally:
+        assert (await workload.stop(1.0)).exit_code == 137
+
+
+async def test_a_workload_without_an_image_cannot_start(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadStartError, match="has no image"):
+        await DockerDriver(tmp_path).start("r1", 1, ClusterSpec(name="x"), (), 0)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not _engine_answers(), reason="no docker engine answers here")
+async def test_a_container_reaches_ready_and_stops(tmp_path: Path) -> None:
+    driver = DockerDriver(tmp_path / "logs")
+    await driver.check()
+    spec = ClusterSpec(
+        name="web",
+        image="python:3.11-slim",
+        command="python -m http.server {port} --bind 0.0.0.0",
+        health_path="/",
+        port=8000,
+    )
+    workload = await driver.start("r1", 1, spec, (), 0)
+    try:
+        assert await workload.wait_ready() is None
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{workload.port}/") as response,
+        ):
+            assert response.status == 200
+    finally:
+        ended = await workload.stop(2.0)
+    assert ended.reason == "stopped"
