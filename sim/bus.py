@@ -67,7 +67,7 @@ class MemoryBus:
         self._subs: list[MemorySubscription] = []
         self._sids = itertools.count(1)
         self._inboxes = itertools.count(1)
-        self._round_robin: dict[tuple[str, str], int] = {}
+        self._round_robin: dict[str, int] = {}
         self.published = 0
 
     async def publish(
@@ -78,13 +78,15 @@ class MemoryBus:
     def deliver(self, msg: Msg) -> int:
         """Hand `msg` to every matching subscriber (one per queue group); return how many."""
         self.published += 1
-        groups: dict[tuple[str, str], list[MemorySubscription]] = {}
+        # As in nats-server, a queue group is its name alone: members on overlapping subjects
+        # (`q.*` and `q.>` in group `g`) share one delivery.
+        groups: dict[str, list[MemorySubscription]] = {}
         delivered = 0
         for sub in list(self._subs):
             if not subject_matches(sub.subject, msg.subject):
                 continue
             if sub.queue:
-                groups.setdefault((sub.subject, sub.queue), []).append(sub)
+                groups.setdefault(sub.queue, []).append(sub)
             else:
                 sub.deliver(msg)
                 delivered += 1

