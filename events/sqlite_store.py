@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -38,6 +38,7 @@ from .errors import (
     ConcurrencyConflict,
     DuplicateEventId,
     EventStoreError,
+    InvalidAppend,
     StoreClosed,
     StoreFull,
     StoreIOError,
@@ -83,6 +84,21 @@ _COMPACT: Final = (
 # file, FULL: 14k events/s at the default 1,000 pages, 27k at 10,000.
 _WAL_AUTOCHECKPOINT: Final = 10_000
 
+_INT64_MIN: Final = -(2**63)
+_INT64_MAX: Final = 2**63 - 1
+
+# Failures that belong to one append's rows, not to the storage: the batch is replayed with a
+# SAVEPOINT per append so only the append that caused one fails. IntegrityError is a UNIQUE or
+# NOT NULL constraint; the others are values SQLite cannot bind.
+_ROW_ERRORS: Final = (
+    sqlite3.IntegrityError,
+    sqlite3.InterfaceError,
+    sqlite3.ProgrammingError,
+    OverflowError,
+    TypeError,
+    ValueError,
+)
+
 # A row as the writer binds it, in _COLUMNS order. `append()` builds it on the loop thread with
 # position and version left at 0; the writer thread fills both in place when it plans the batch.
 _Row = list[Any]
@@ -127,7 +143,7 @@ class StoreStats:
     appends: int = 0  # appends that wrote events
     events: int = 0  # events written
     largest_batch: int = 0  # most jobs committed in one transaction
-    careful_replays: int = 0  # batches replayed with one SAVEPOINT per append
+    careful_replays: int = 0  # batches replayed with one SAVEPOINT per job
 
 
 @dataclass(slots=True, eq=False)
@@ -203,6 +219,22 @@ class _Plan:
     events: int = 0
 
 
+def _clamp(value: int) -> int:
+    """Positions, versions and times are stored in 64 bits: a bound past them means "all"."""
+    return min(max(value, _INT64_MIN), _INT64_MAX)
+
+
+def _check_storable(events: Sequence[NewEvent]) -> None:
+    """Refuse, before it is queued, what SQLite could not bind: it would fail a whole batch."""
+    for e in events:
+        if type(e.recorded_at) is not int or not _INT64_MIN <= e.recorded_at <= _INT64_MAX:
+            raise InvalidAppend(f"recorded_at {e.recorded_at!r} is not a 64-bit integer")
+        if not (type(e.event_id) is type(e.correlation_id) is type(e.causation_id) is str):
+            for name in ("event_id", "correlation_id", "causation_id"):
+                if type(getattr(e, name)) is not str:
+                    raise InvalidAppend(f"{name} {getattr(e, name)!r} is not a string")
+
+
 def _is_disk_full(exc: sqlite3.Error) -> bool:
     code = getattr(exc, "sqlite_errorcode", None)
     if isinstance(code, int):
@@ -221,11 +253,11 @@ def _as_bytes(value: object) -> bytes:
     return str(value).encode()
 
 
-def _envelope(row: _Row) -> Envelope:
+def _envelope(row: tuple[Any, ...]) -> Envelope:
     position, event_id, stream, version, type_, recorded_at, correlation, causation, data = row
     if type(data) is not bytes:
         data = _as_bytes(data)
-    type_tag = type_ if type(type_) is str else str(type_)
+    type_tag = type_ if type(type_) is str else ("" if type_ is None else str(type_))
     return Envelope(
         event_id=event_id,
         stream=stream,
@@ -258,8 +290,7 @@ class SqliteEventStore:
         self._busy = False  # a batch is on the writer thread
         self._dispatch_scheduled = False
         self._idle_waiters: list[asyncio.Future[None]] = []
-        self._closing = False
-        self._closed = False
+        self._closing = False  # set by close(): no new work is accepted from then on
         self._close_task: asyncio.Task[None] | None = None
         # Both executors have exactly one thread, so each connection is only ever used by the
         # thread that created it, and blocking sqlite calls never run on the event loop.
@@ -304,7 +335,9 @@ class SqliteEventStore:
         check_batch(stream, events, expected_version)
         if not events:
             return []
-        # Encoding here, on the loop thread, overlaps with the writer thread's I/O.
+        _check_storable(events)
+        # Rows are built here so the writer thread, through which every write must pass, only
+        # numbers and binds them.
         rows: list[_Row] = [
             [
                 0,
@@ -326,6 +359,8 @@ class SqliteEventStore:
     async def save_snapshot(self, snapshot: Snapshot) -> None:
         if self._closing:
             raise StoreClosed()
+        if type(snapshot.version) is not int or not _INT64_MIN <= snapshot.version <= _INT64_MAX:
+            raise InvalidAppend(f"snapshot version {snapshot.version!r} is not a 64-bit integer")
         future: asyncio.Future[None] = self._loop.create_future()
         self._enqueue(_SaveSnapshot(snapshot, future))
         await future
@@ -340,7 +375,7 @@ class SqliteEventStore:
     # ---------------------------------------------------------------- protocol: reads
 
     async def read_stream(self, stream: str, from_version: int = 1) -> list[Envelope]:
-        return await self._read(self._read_stream_sync, stream, from_version)
+        return await self._read(self._read_stream_sync, stream, _clamp(from_version))
 
     async def stream_version(self, stream: str) -> int:
         return await self._read(self._stream_version_sync, stream)
@@ -350,9 +385,9 @@ class SqliteEventStore:
             if self._closing:
                 raise StoreClosed()
             return []
-        return await self._read(self._read_all_sync, from_position, limit)
+        return await self._read(self._read_all_sync, _clamp(from_position), _clamp(limit))
 
-    def subscribe(self, from_position: int = 1) -> AsyncIterator[Envelope]:
+    def subscribe(self, from_position: int = 1) -> AsyncGenerator[Envelope, None]:
         return follow(self._read_for_subscriber, self._signal, from_position)
 
     async def head(self) -> int:
@@ -471,17 +506,23 @@ class SqliteEventStore:
             self._idle_waiters.append(waiter)
             self._schedule_dispatch()
             await waiter
-        await self._shutdown_connections()
-        self._closed = True
-        self._signal.close()
+        try:
+            await self._shutdown_connections()
+        finally:
+            self._signal.close()
 
     async def _shutdown_connections(self) -> None:
         loop = asyncio.get_running_loop()
-        # Queued behind any read or write in flight, so those finish first.
-        await loop.run_in_executor(self._write_executor, self._close_writer)
-        await loop.run_in_executor(self._read_executor, self._close_reader)
-        self._write_executor.shutdown(wait=True)
-        self._read_executor.shutdown(wait=True)
+        try:
+            # Queued behind any read or write in flight, so those finish first.
+            await loop.run_in_executor(self._write_executor, self._close_writer)
+            await loop.run_in_executor(self._read_executor, self._close_reader)
+        except sqlite3.Error as exc:
+            raise self._translate(exc) from exc
+        finally:
+            # Both threads are idle now; joining them would only block the loop.
+            self._write_executor.shutdown(wait=False)
+            self._read_executor.shutdown(wait=False)
 
     # ---------------------------------------------------------------- writer thread
 
@@ -516,6 +557,10 @@ class SqliteEventStore:
             raise
 
     def _migrate(self, conn: sqlite3.Connection) -> None:
+        if int(conn.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION:
+            # Current already: take no write lock, so opening beside a live writer (e.g.
+            # `gpumesh events tail`) does not wait for it.
+            return
         db = sqlite_utils.Database(conn, execute_plugins=False)
         conn.execute("BEGIN IMMEDIATE")
         try:
@@ -556,9 +601,10 @@ class SqliteEventStore:
         try:
             plan = self._transaction(conn, batch, careful=False)
             outcome = _BatchOutcome()
-        except sqlite3.IntegrityError:
-            # The version cache disagreed with the file (nothing in this process should cause
-            # that): forget it and replay against fresh reads, isolating each append.
+        except _ROW_ERRORS:
+            # A constraint fired (the version cache disagreed with the file, which nothing in
+            # this process causes, or an id was taken by another stream) or a value could not
+            # be bound: forget the cache and replay against fresh reads, isolating each job.
             self._rollback(conn)
             self._versions.clear()
             outcome = _BatchOutcome(careful=True)
@@ -604,10 +650,7 @@ class SqliteEventStore:
                 plan.next_position = max(plan.next_position, (top or 0) + 1)
                 for job in batch:
                     self._reset(job)
-                    if isinstance(job, _Append):
-                        self._append_careful(conn, job, plan)
-                    elif isinstance(job, _SaveSnapshot):
-                        self._save_snapshot(conn, job)
+                    self._careful(conn, job, plan)
             else:
                 rows = self._plan_batch(conn, batch, plan)
                 if rows:
@@ -730,28 +773,47 @@ class SqliteEventStore:
                 return
         rows.extend(self._claim(job, actual, plan))
 
-    def _append_careful(self, conn: sqlite3.Connection, job: _Append, plan: _Plan) -> None:
-        if self._dedup(job, self._stored_ids(conn, job, plan, in_file=True)):
-            return
-        actual = self._current_version(conn, job.stream, plan)
-        if job.expected != ANY and job.expected != actual:
-            job.error = ConcurrencyConflict(job.stream, job.expected, actual)
-            return
-        saved = (plan.next_position, dict(plan.versions), dict(plan.ids), plan.appends, plan.events)
-        rows = self._claim(job, actual, plan)
-        conn.execute("SAVEPOINT append")
+    def _careful(self, conn: sqlite3.Connection, job: _Job, plan: _Plan) -> None:
+        """One job of a replayed batch, inside its own SAVEPOINT so its failure stays its own."""
+        actual = 0
+        if isinstance(job, _Append):
+            if self._dedup(job, self._stored_ids(conn, job, plan, in_file=True)):
+                return
+            actual = self._current_version(conn, job.stream, plan)
+            if job.expected != ANY and job.expected != actual:
+                job.error = ConcurrencyConflict(job.stream, job.expected, actual)
+                return
+        saved = (plan.next_position, plan.appends, plan.events)
+        conn.execute("SAVEPOINT job")
         try:
-            conn.executemany(_INSERT_EVENT, rows)
-        except sqlite3.IntegrityError as exc:
-            conn.execute("ROLLBACK TO append")
-            conn.execute("RELEASE append")
-            plan.next_position, plan.versions, plan.ids, plan.appends, plan.events = saved
-            job.positions, job.wrote = None, False
-            job.error = StoreIOError(
-                f"event store {self.path}: append to {job.stream!r} refused: {exc}"
-            )
+            if isinstance(job, _Append):
+                conn.executemany(_INSERT_EVENT, self._claim(job, actual, plan))
+            elif isinstance(job, _SaveSnapshot):
+                self._save_snapshot(conn, job)
+        except _ROW_ERRORS as exc:
+            conn.execute("ROLLBACK TO job")
+            conn.execute("RELEASE job")
+            plan.next_position, plan.appends, plan.events = saved
+            if isinstance(job, _Append) and job.wrote:
+                # Undo what _claim recorded for this job alone.
+                plan.versions[job.stream] = actual
+                for row in job.rows:
+                    plan.ids.pop(row[1], None)
+            self._reset(job)
+            job.error = self._row_error(job, exc)
             return
-        conn.execute("RELEASE append")
+        conn.execute("RELEASE job")
+
+    def _row_error(self, job: _Job, exc: Exception) -> EventStoreError:
+        what = f"append to {job.stream!r}" if isinstance(job, _Append) else "snapshot"
+        if isinstance(exc, sqlite3.IntegrityError):
+            error: EventStoreError = StoreIOError(
+                f"event store {self.path}: {what} refused by a constraint: {exc}"
+            )
+        else:
+            error = InvalidAppend(f"{what} holds a value SQLite cannot store: {exc}")
+        error.__cause__ = exc
+        return error
 
     @staticmethod
     def _claim(job: _Append, actual: int, plan: _Plan) -> list[_Row]:
@@ -773,9 +835,8 @@ class SqliteEventStore:
     def _compact(self, conn: sqlite3.Connection, job: _Compact) -> _BatchOutcome:
         try:
             conn.execute("BEGIN IMMEDIATE")
-            removed = conn.execute(
-                _COMPACT, (HEARTBEAT_TYPE, job.older_than_ns, HEARTBEAT_TYPE)
-            ).rowcount
+            cutoff = _clamp(job.older_than_ns)
+            removed = conn.execute(_COMPACT, (HEARTBEAT_TYPE, cutoff, HEARTBEAT_TYPE)).rowcount
             conn.execute("COMMIT")
         except sqlite3.Error as exc:
             return self._fail_batch(conn, [job], exc, _BatchOutcome())
