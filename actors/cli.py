@@ -44,6 +44,14 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         "nats-server (JetStream, loopback only) in the data directory.",
     )
     ctl.add_argument("--nats", metavar="URL", help="join this NATS server instead of starting one")
+    ctl.add_argument(
+        "--compact-heartbeats-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="delete heartbeat events older than this (each node's latest is kept; "
+        "no projection changes); default: keep them all",
+    )
     _health_args(ctl)
     ctl.set_defaults(handler=run_controller)
 
@@ -190,7 +198,10 @@ async def run_controller(args: argparse.Namespace) -> int:
         try:
             commands = await JetStreamCommandQueue.create(bus)
             env = real_env(store, bus=bus)
-            controller = Controller(env, commands, ControllerConfig(health=health_policy(args)))
+            config = ControllerConfig(
+                health=health_policy(args), compact_heartbeats_after=args.compact_heartbeats_after
+            )
+            controller = Controller(env, commands, config)
             outbox = OutboxPublisher(store, bus)
             print(f"controller: NATS {url}, event log {args.events_db}", file=sys.stderr)
             await run_until_stopped(controller.run(extra=[outbox.run]))

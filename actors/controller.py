@@ -37,6 +37,7 @@ ACTOR_POLICY = SupervisionPolicy(max_restarts=5, window=60.0)
 class ControllerConfig:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     reconcile_interval: float = 1.0  # a periodic pass catches anything a signal missed
+    compact_heartbeats_after: float | None = None  # seconds; None keeps every heartbeat
 
 
 class Controller:
@@ -129,6 +130,8 @@ class Controller:
             tasks.create_task(self._serve(api_sub, api.handle), name="serve:api")
             tasks.create_task(self._reconcile_loop(), name="reconcile")
             tasks.create_task(self._routing_loop(), name="routing")
+            if self.config.compact_heartbeats_after is not None:
+                tasks.create_task(self._compaction_loop(), name="compaction")
             for job in extra or []:
                 tasks.create_task(job())
             self.ready.set()
@@ -242,6 +245,16 @@ class Controller:
                 await self.env.bus.publish(subjects.ROUTING, self.routing_update())
             await changed.wait()
             changed.clear()
+
+    async def _compaction_loop(self) -> None:
+        age = self.config.compact_heartbeats_after
+        assert age is not None
+        while True:
+            # Often enough that the log stays near `age` of heartbeats, rarely enough to be cheap.
+            await asyncio.sleep(max(60.0, age / 10))
+            cutoff = self.env.clock.wall_ns() - int(age * 1e9)
+            removed = await self.env.store.compact_heartbeats(cutoff)
+            self.log.info("heartbeats_compacted", removed=removed, older_than_s=age)
 
     def routing_update(self) -> bytes:
         return msgspec.json.encode(

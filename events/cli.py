@@ -66,6 +66,20 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     gen.add_argument("--json", action="store_true", help="print the summary as JSON")
     gen.set_defaults(handler=generate_events)
 
+    compact = commands.add_parser(
+        "compact",
+        parents=list(parents),
+        help="delete heartbeats older than an age, keeping each node's latest",
+        description="Heartbeats are most of the log. Compaction deletes those recorded before "
+        "the cutoff, except each node's latest, which is all any projection keeps: a rebuild "
+        "gives the same state before and after.",
+    )
+    compact.add_argument(
+        "--older-than", type=parse_duration, required=True, metavar="AGE", help="e.g. 30m, 6h, 7d"
+    )
+    compact.add_argument("--json", action="store_true")
+    compact.set_defaults(handler=compact_events)
+
 
 async def _open(path: Path, *, create: bool = False) -> Any:
     from .sqlite_store import SqliteEventStore
@@ -193,4 +207,36 @@ async def generate_events(args: argparse.Namespace) -> int:
         if sys.stderr.isatty():
             print(file=sys.stderr)
         print(f"wrote {written} events to {args.events_db} in {elapsed:.2f} s (seed {args.seed})")
+    return 0
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """`90s`, `30m`, `6h`, `7d` (or plain seconds) -> seconds."""
+    unit = text[-1:]
+    number = text[:-1] if unit in _UNITS else text
+    try:
+        value = float(number) * _UNITS.get(unit, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (try 30m, 6h or 7d)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a duration must be positive, got {text!r}")
+    return value
+
+
+async def compact_events(args: argparse.Namespace) -> int:
+    store = await _open(args.events_db)
+    try:
+        cutoff = time.time_ns() - int(args.older_than * 1e9)
+        started = time.perf_counter()
+        removed = await store.compact_heartbeats(cutoff)
+        elapsed = time.perf_counter() - started
+    finally:
+        await store.close()
+    if args.json:
+        print(msgspec.json.encode({"removed": removed, "seconds": round(elapsed, 3)}).decode())
+    else:
+        print(f"removed {removed} heartbeats older than {args.older_than:g} s in {elapsed:.2f} s")
     return 0

@@ -130,3 +130,30 @@ def test_every_subcommand_has_help() -> None:
             sub = actions[0].choices[word]  # type: ignore[attr-defined]
         assert sub.description, argv
         assert "--data-dir" in sub.format_help()
+
+
+def test_compact_keeps_projections(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = str(tmp_path)
+    assert run(capsys, "events", "generate", "--data-dir", data, "--events", "2000")[0] == 0
+    _, before, _ = run(capsys, "events", "rebuild", "--data-dir", data, "--json")
+    # The synthetic history is stamped in 2026-01: everything is older than a day.
+    code, out, _ = run(
+        capsys, "events", "compact", "--data-dir", data, "--older-than", "1d", "--json"
+    )
+    assert code == 0
+    removed = json.loads(out)["removed"]
+    assert removed > 1500
+    _, after, _ = run(capsys, "events", "rebuild", "--data-dir", data, "--json")
+    keep = ("nodes", "clusters", "replicas", "routes", "position")
+    assert {k: json.loads(after)[k] for k in keep} == {k: json.loads(before)[k] for k in keep}
+    assert json.loads(after)["events"] == 2000 - removed
+    with sqlite3.connect(tmp_path / "projections.db") as db:
+        rows = db.execute("SELECT node_id, last_heartbeat_at FROM nodes ORDER BY 1").fetchall()
+    assert rows and all(at > 0 for _, at in rows)
+
+
+def test_bad_duration_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["events", "compact", "--older-than", "soon"])
+    assert info.value.code == 2
+    assert "not a duration: 'soon'" in capsys.readouterr().err
