@@ -94,6 +94,21 @@ class MemoryEventStore:
         start = bisect.bisect_left(self._positions, from_position)
         return self._log[start : start + limit]
 
+    async def read_for_rebuild(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
+        latest: dict[str, int] = {}
+        for envelope in self._log:
+            if envelope.type == HEARTBEAT_TYPE:
+                latest[envelope.stream] = envelope.position
+        keep = set(latest.values())
+        start = bisect.bisect_left(self._positions, from_position)
+        found: list[Envelope] = []
+        for envelope in self._log[start:]:
+            if envelope.type != HEARTBEAT_TYPE or envelope.position in keep:
+                found.append(envelope)
+                if len(found) == limit:
+                    break
+        return found
+
     def read_all_now(self) -> list[Envelope]:
         """The whole log, synchronously (simulator invariants)."""
         return list(self._log)

@@ -18,6 +18,7 @@ Design (shared notes, sections 1.9 and 3.3-3.5):
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -64,6 +65,13 @@ _COLUMNS: Final = (
 _INSERT_EVENT: Final = f"INSERT INTO events ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 _SELECT_EVENTS: Final = f"SELECT {_COLUMNS} FROM events"
 _READ_ALL: Final = f"{_SELECT_EVENTS} WHERE position >= ? ORDER BY position LIMIT ?"
+# Heartbeats that a later heartbeat of their stream supersedes are skipped in SQLite's C loop.
+# ?5 is a JSON array of each stream's latest heartbeat as of position ?3; newer ones are kept.
+_LATEST_HEARTBEATS: Final = "SELECT MAX(position) FROM events WHERE type = ? GROUP BY stream"
+_READ_FOR_REBUILD: Final = (
+    f"{_SELECT_EVENTS} WHERE position >= ?1 AND (type != ?4 OR position > ?3 OR position IN "
+    "(SELECT value FROM json_each(?5))) ORDER BY position LIMIT ?2"
+)
 _READ_STREAM: Final = f"{_SELECT_EVENTS} WHERE stream = ? AND version >= ? ORDER BY version"
 _STREAM_VERSION: Final = "SELECT MAX(version) FROM events WHERE stream = ?"
 _FIND_ID: Final = "SELECT stream, position FROM events WHERE event_id = ?"
@@ -296,6 +304,7 @@ class SqliteEventStore:
         # thread that created it, and blocking sqlite calls never run on the event loop.
         self._write_executor = ThreadPoolExecutor(1, thread_name_prefix="eventstore-writer")
         self._read_executor = ThreadPoolExecutor(1, thread_name_prefix="eventstore-reader")
+        self._latest_heartbeats: tuple[int, str] | None = None  # see _read_for_rebuild_sync
         # Writer-thread state: touched only by code running in _write_executor.
         self._wconn: sqlite3.Connection | None = None
         self._versions: dict[str, int] = {}
@@ -379,6 +388,12 @@ class SqliteEventStore:
 
     async def stream_version(self, stream: str) -> int:
         return await self._read(self._stream_version_sync, stream)
+
+    async def read_for_rebuild(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
+        """See events.store.RebuildReader."""
+        if limit <= 0:
+            return []
+        return await self._read(self._read_for_rebuild_sync, from_position, limit)
 
     async def read_all(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
         if limit <= 0:
@@ -883,6 +898,19 @@ class SqliteEventStore:
 
     def _read_all_sync(self, from_position: int, limit: int) -> list[Envelope]:
         rows = self._reader_conn().execute(_READ_ALL, (from_position, limit)).fetchall()
+        return [_envelope(row) for row in rows]
+
+    def _read_for_rebuild_sync(self, from_position: int, limit: int) -> list[Envelope]:
+        conn = self._reader_conn()
+        if from_position <= 1 or self._latest_heartbeats is None:
+            # Computed once per rebuild; heartbeats committed later are newer than `as_of`.
+            as_of = self._head_sync()
+            latest = [row[0] for row in conn.execute(_LATEST_HEARTBEATS, (HEARTBEAT_TYPE,))]
+            self._latest_heartbeats = (as_of, json.dumps(latest))
+        as_of, latest_json = self._latest_heartbeats
+        rows = conn.execute(
+            _READ_FOR_REBUILD, (from_position, limit, as_of, HEARTBEAT_TYPE, latest_json)
+        ).fetchall()
         return [_envelope(row) for row in rows]
 
     def _read_stream_sync(self, stream: str, from_version: int) -> list[Envelope]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import msgspec
 
@@ -66,3 +66,18 @@ class EventStore(Protocol):
     async def load_snapshot(self, stream: str) -> Snapshot | None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class RebuildReader(Protocol):
+    """A store that can hand a rebuild only the events that can change a fold.
+
+    Every projection keeps just a node's latest heartbeat, so a heartbeat superseded by a later
+    one in the same stream changes nothing a fold keeps (the compaction property test in
+    tests/projections proves folding the compacted log gives the same state). Skipping them
+    turns a rebuild that is mostly heartbeats into one proportional to everything else.
+    """
+
+    async def read_for_rebuild(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
+        """Like read_all, minus heartbeats superseded by a later heartbeat in their stream."""
+        ...

@@ -258,3 +258,37 @@ async def test_queued_appends_to_one_stream_apply_in_call_order(store: EventStor
     )
     assert [r[0] for r in results] == list(range(1, 51))
     assert await store.stream_version("node/a") == 50
+
+
+async def test_read_for_rebuild_folds_to_the_same_state(store: EventStore) -> None:
+    import random
+
+    import projections
+    from events.store import RebuildReader
+    from events.synthetic import fleet_history
+
+    assert isinstance(store, RebuildReader)
+    for step in fleet_history(random.Random(3), nodes=5, clusters=2, replicas=2, limit=600):
+        await store.append(step.stream, [step.event], step.expected_version)
+
+    async def fold(read: object) -> projections.FleetState:
+        state = projections.FleetState()
+        appended = False
+        while page := await read(state.position + 1, 64):  # type: ignore[operator]
+            for envelope in page:
+                projections.apply(state, envelope)
+            if read == store.read_for_rebuild and state.position >= 320 and not appended:
+                appended = True
+                # A heartbeat committed mid-rebuild is newer than any "latest" seen so far.
+                await store.append(
+                    "node/node-00000",
+                    [EventMaker(seed=9)(hb("node-00000", 999))],
+                    await store.stream_version("node/node-00000"),
+                )
+        return state
+
+    fast = await fold(store.read_for_rebuild)
+    assert fast == projections.rebuild(await store.read_all(1, 10_000))
+    assert fast.nodes.nodes["node-00000"].last_heartbeat_seq == 999
+    kept = await store.read_for_rebuild(1, 10_000)
+    assert len(kept) < await store.head()
