@@ -24,9 +24,16 @@ ALLOWED: dict[str, set[str]] = {
 # Actor, event and projection code takes these from the injected Env, never from the process.
 BANNED_MODULES = {"random", "socket", "secrets"}
 BANNED_CALLS = {
-    ("time", "time"), ("time", "time_ns"), ("time", "monotonic"), ("time", "monotonic_ns"),
-    ("time", "perf_counter"), ("datetime", "now"), ("datetime", "utcnow"), ("uuid", "uuid1"),
-    ("uuid", "uuid4"), ("os", "urandom"),
+    ("time", "time"),
+    ("time", "time_ns"),
+    ("time", "monotonic"),
+    ("time", "monotonic_ns"),
+    ("time", "perf_counter"),
+    ("datetime", "now"),
+    ("datetime", "utcnow"),
+    ("uuid", "uuid1"),
+    ("uuid", "uuid4"),
+    ("os", "urandom"),
 }
 DETERMINISTIC = ("actors", "events", "projections")
 # The real adapters and the entry points are where the outside world is allowed in.
@@ -51,14 +58,18 @@ def determinism_violations(tree: ast.AST) -> list[str]:
     problems = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            problems += [f"import {a.name}" for a in node.names
-                         if a.name.split(".")[0] in BANNED_MODULES]
+            problems += [
+                f"import {a.name}" for a in node.names if a.name.split(".")[0] in BANNED_MODULES
+            ]
         elif isinstance(node, ast.ImportFrom) and node.module:
             base = node.module.split(".")[0]
             if base in BANNED_MODULES:
                 problems.append(f"from {node.module} import ...")
-            problems += [f"from {node.module} import {a.name}" for a in node.names
-                         if (base, a.name) in BANNED_CALLS]
+            problems += [
+                f"from {node.module} import {a.name}"
+                for a in node.names
+                if (base, a.name) in BANNED_CALLS
+            ]
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name | ast.Attribute):
             owner = node.value.id if isinstance(node.value, ast.Name) else node.value.attr
             if (owner, node.attr) in BANNED_CALLS:
@@ -92,6 +103,9 @@ def test_the_checks_catch_a_planted_violation() -> None:
         "x = time.monotonic()\ny = datetime.datetime.now()\n"
     )
     assert determinism_violations(snippet) == [
-        "import random", "from uuid import uuid4", "time.monotonic", "datetime.now",
+        "import random",
+        "from uuid import uuid4",
+        "time.monotonic",
+        "datetime.now",
     ]
     assert imported_packages(snippet) == {"sim"}
