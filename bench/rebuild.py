@@ -70,7 +70,7 @@ def _flush(conn: sqlite3.Connection, rows: list[tuple[Any, ...]]) -> None:
     rows.clear()
 
 
-def rebuild(data_dir: Path) -> dict[str, Any]:
+def rebuild(data_dir: Path, *, full: bool) -> dict[str, Any]:
     (data_dir / "projections.db").unlink(missing_ok=True)
     proc = subprocess.run(
         [
@@ -82,6 +82,7 @@ def rebuild(data_dir: Path) -> dict[str, Any]:
             "--json",
             "--data-dir",
             str(data_dir),
+            *(["--full"] if full else []),
         ],
         capture_output=True,
         text=True,
