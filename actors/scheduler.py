@@ -134,7 +134,7 @@ def schedule(
     if not fits:
         return NoFit(reason=_no_fit_reason(spec, [r for _, r in rejects]), candidates=rejected)
 
-    ranked = sorted(fits, key=lambda f: (f.key, f.node.node_id))
+    ranked = sorted(fits, key=lambda f: f.key)
     tied = [f for f in ranked if f.key == ranked[0].key]
     winner = rng.choice(tied) if len(tied) > 1 else ranked[0]
     ranked.remove(winner)
@@ -244,7 +244,7 @@ def _choose_gpus(node: NodeView, spec: ClusterSpec, taken: set[int]) -> tuple[in
     of_model = [g for g in gpus if not accepted or g.model in accepted]
     if not of_model:
         return _Reject(4, f"has no {what}", f"have no {what}", f"no {what} ({_inventory(gpus)})")
-    big = [g for g in of_model if g.vram_mib > spec.gpu.min_vram_mib]
+    big = [g for g in of_model if g.vram_mib >= spec.gpu.min_vram_mib]
     if not big:
         largest = max(g.vram_mib for g in of_model)
         return _Reject(
