@@ -124,6 +124,9 @@ class EmbeddedNats:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=log_file,
+                # Its own session: a terminal's Ctrl-C reaches only us, and we stop the server
+                # last, after the agents and the controller are done with it.
+                start_new_session=True,
             )
         except BaseException:
             log_file.close()

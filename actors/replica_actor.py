@@ -234,7 +234,9 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
         event: DomainEvent | None = None
         rid, epoch = self.replica_id, state.epoch
         match report.state:
-            case "starting" if state.status == "placed":
+            case "starting" if state.status in ("placed", "ready"):
+                # From ready: the workload crashed and restarts in place; not routable until
+                # it is ready again.
                 event = ReplicaStarting(replica_id=rid, epoch=epoch, port=report.port)
             case "ready" if state.status in ("placed", "starting"):
                 event = ReplicaReady(replica_id=rid, epoch=epoch, address=report.address)

@@ -94,6 +94,9 @@ class ReplicaRunner:
             detail = f"restart {restarts} after {ended.describe()}"
             delay = policy.backoff(recent)
             self._log.warning("replica_restarting", restart=restarts, delay_s=delay, why=detail)
+            # Not ready while it is down: say so at once (and in every heartbeat meanwhile), so
+            # nothing routes to a dead address during the back-off.
+            await self._set("starting", detail=detail)
             await asyncio.sleep(delay)
 
     async def _attempt(self, detail: str) -> WorkloadEnded:
@@ -131,6 +134,7 @@ class ReplicaRunner:
     async def _set(
         self, state: ReplicaRunState, *, detail: str = "", exit_code: int | None = None
     ) -> None:
+        previous = self.state
         self.state = ReplicaState(
             replica_id=self._command.replica_id,
             epoch=self._command.epoch,
@@ -140,6 +144,8 @@ class ReplicaRunner:
             detail=detail,
             exit_code=exit_code,
         )
+        if self.state == previous:
+            return  # nothing new to report (a relaunch after the crash was already reported)
         self._log.info("replica_state", state=state, port=self._port, detail=detail)
         await self._publish(self.state)
 

@@ -15,6 +15,7 @@ from events import (
     ReplicaFailed,
     ReplicaPlaced,
     ReplicaReady,
+    ReplicaStarting,
     ReplicaStopped,
     ReplicaStopping,
 )
@@ -44,7 +45,8 @@ def apply(state: RoutingTable, envelope: Envelope) -> RoutingTable:
             state.placed_nodes[rid] = node_id
             _refresh(state, cluster)
         case (
-            ReplicaFailed(replica_id=rid, epoch=epoch)
+            ReplicaStarting(replica_id=rid, epoch=epoch)  # restarting in place after a crash
+            | ReplicaFailed(replica_id=rid, epoch=epoch)
             | ReplicaStopping(replica_id=rid, epoch=epoch)
             | ReplicaStopped(replica_id=rid, epoch=epoch)
         ):

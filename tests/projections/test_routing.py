@@ -13,6 +13,7 @@ from events import (
     ReplicaFailed,
     ReplicaPlaced,
     ReplicaReady,
+    ReplicaStarting,
     ReplicaStopped,
 )
 from projections import FleetState, Route
@@ -99,3 +100,11 @@ def test_failure_and_cluster_deletion_remove_routes() -> None:
     assert fold(*BASE, ready, failed).replicas.replicas["llama-0"].failure_reason == (
         "workload_exited"
     )
+
+
+def test_a_replica_restarting_in_place_is_not_routed_until_ready_again() -> None:
+    ready = ReplicaReady(replica_id="llama-0", epoch=1, address="http://a")
+    restarting = ReplicaStarting(replica_id="llama-0", epoch=1, port=8000)
+    assert routes(fold(*BASE, ready, restarting)) == ()
+    assert fold(*BASE, ready, restarting).replicas.replicas["llama-0"].status == "starting"
+    assert [r.replica_id for r in routes(fold(*BASE, ready, restarting, ready))] == ["llama-0"]
