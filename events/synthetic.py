@@ -150,34 +150,22 @@ def fleet_history(
 
 
 def _start(rid: str, cluster: str, node: str, epoch: int, port: int) -> list[DomainEvent]:
-    return (
-        [
-            ReplicaPlaced(
-                replica_id=rid,
-                cluster=cluster,
-                node_id=node,
-                gpu_indices=(0,),
-                epoch=epoch,
-                why="synthetic history",
-            ),
-            ReplicaStarting(replica_id=rid, epoch=epoch, port=port),
-            ReplicaReady(replica_id=rid, epoch=epoch, address=f"http://127.0.0.1:{port}"),
-        ]
-        if epoch == 1
-        else [
-            ReplicaPlaced(
-                replica_id=rid,
-                cluster=cluster,
-                node_id=node,
-                gpu_indices=(0,),
-                epoch=epoch,
-                why="replacement",
-            ),
-            ReplicaStarting(replica_id=rid, epoch=epoch, port=port),
-            ReplicaReady(replica_id=rid, epoch=epoch, address=f"http://127.0.0.1:{port}"),
-            ReplicaStopped(replica_id=rid, epoch=epoch - 1),
-        ]
-    )
+    """Place, start and ready one epoch; a replacement also records the old epoch stopped."""
+    events: list[DomainEvent] = [
+        ReplicaPlaced(
+            replica_id=rid,
+            cluster=cluster,
+            node_id=node,
+            gpu_indices=(0,),
+            epoch=epoch,
+            why="synthetic history" if epoch == 1 else "replacement",
+        ),
+        ReplicaStarting(replica_id=rid, epoch=epoch, port=port),
+        ReplicaReady(replica_id=rid, epoch=epoch, address=f"http://127.0.0.1:{port}"),
+    ]
+    if epoch > 1:
+        events.append(ReplicaStopped(replica_id=rid, epoch=epoch - 1))
+    return events
 
 
 def _pick(
