@@ -449,3 +449,19 @@ async def test_crashed_workload_is_not_routed_while_it_restarts(
     await stack.wait_until(unrouted, timeout=2.5, why=f"{rid} out of the routing table")
     assert (await stack.cluster("echo"))["ready"] == 0
     await serving(stack, replicas=1)  # and back once it serves again, same epoch
+
+
+@pytest.mark.timeout(120)
+async def test_a_nats_restart_is_survived(stack: Stack) -> None:
+    """The server goes away and comes back on the same port and store: every process reconnects,
+    the fleet converges again, and the durable command path (JetStream) works afterwards."""
+    await stack.create_cluster(echo_spec(2))
+    await serving(stack, replicas=2)
+    await stack.nats.stop()
+    await asyncio.sleep(1.0)  # the outage itself: a fault's duration, not a wait for an event
+    await stack.nats.start()
+    await stack.wait_until(stack._all_nodes_healthy, timeout=40, why="nodes healthy again")
+    await serving(stack, replicas=2)
+    # New commands go through the restarted JetStream: scaling up places and starts a replica.
+    await stack.api("cluster.scale", {"name": "echo", "replicas": 3})
+    await serving(stack, replicas=3)
