@@ -23,7 +23,7 @@ from .env import Env, Msg, RandomSource
 from .health import HealthPolicy
 from .live_state import LiveState
 from .node_actor import Beat, Join, NodeActor, NodeMsg
-from .replica_actor import ReplicaActor, ReplicaMsg, Report
+from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report
 from .supervision import SupervisionPolicy
 from .system import ActorRef, ActorSystem
 
@@ -198,6 +198,31 @@ class Controller:
             await self.env.bus.publish(msg.reply, msgspec.json.encode(reply))
         for replica in reg.replicas:
             await self._route_report(reg.node_id, replica)
+        await self._fail_missing(reg)
+
+    async def _fail_missing(self, reg: Register) -> None:
+        """A (re)registering agent lists everything it runs. A replica we believe starting or
+        ready there, at its current epoch, that it does not list is gone (the agent restarted
+        and lost it): fail it so it is replaced, instead of routing to nothing."""
+        running = {
+            (r.replica_id, r.epoch) for r in reg.replicas if r.state in ("starting", "ready")
+        }
+        state = self.live.state
+        for replica_id, view in sorted(state.replicas.replicas.items()):
+            if (
+                view.node_id != reg.node_id
+                or view.status not in ("starting", "ready")
+                or (replica_id, view.epoch) in running
+            ):
+                continue
+            cluster = state.clusters.clusters.get(view.cluster)
+            ref = await self.replica(replica_id, cluster.spec if cluster else None)
+            await ref.ask(
+                Fail(
+                    "workload_exited", f"not running on {reg.node_id} after its agent re-registered"
+                ),
+                timeout=30.0,
+            )
 
     async def _on_report(self, msg: Msg) -> None:
         report = msgspec.json.decode(msg.data, type=ReplicaReport)

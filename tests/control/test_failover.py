@@ -201,3 +201,27 @@ def test_bad_input_gets_clear_errors_and_changes_nothing() -> None:
             assert (await f.api("cluster.list")).ok  # still serving
 
     run_simulation(main())
+
+
+def test_an_agent_restart_that_lost_its_replica_gets_it_replaced() -> None:
+    async def main() -> None:
+        async with fleet(3) as f:
+            assert (await f.api("cluster.create", {**SPEC, "replicas": 1})).ok
+            await f.until(lambda: f.ready("llama") == ["llama-0"], within=10, why="ready")
+            node = f.state.replicas.replicas["llama-0"].node_id
+            # The agent process restarts (the machine stays up) and knows nothing it ran.
+            f.kill(node)
+            await f.start_agent(ScriptedAgent(node, f.bus, f.commands))
+            await f.until(
+                lambda: (
+                    f.state.replicas.replicas["llama-0"].epoch == 2
+                    and f.state.replicas.replicas["llama-0"].status == "ready"
+                ),
+                within=10,
+                why="replaced after the agent restart",
+            )
+            failed = [e for e in f.store.read_all_now() if e.type == "replica.failed.v1"]
+            assert "after its agent re-registered" in failed[0].payload.detail  # type: ignore[union-attr]
+            assert f.state.nodes.nodes[node].health == "healthy"  # the node itself is fine
+
+    run_simulation(main())
