@@ -97,8 +97,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from actors.env import BusError
     from actors.nats_server import NatsServerError
     from actors.spec import SpecError
+    from projections.projector import ReadModelError
 
-    return (EventStoreError, OSError, CommandFailed, BusError, NatsServerError, SpecError)
+    return (
+        EventStoreError,
+        OSError,
+        CommandFailed,
+        BusError,
+        NatsServerError,
+        SpecError,
+        ReadModelError,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,6 +25,19 @@ from .views import FleetState
 CHECKPOINT_NAME = "fleet"
 
 
+class ReadModelError(Exception):
+    """The read-model database cannot be read or written. The event log is not affected."""
+
+    def __init__(self, path: Path, exc: sqlite3.Error) -> None:
+        self.path = path
+        full = "full" in str(exc)
+        super().__init__(
+            f"read model {path} cannot be written: {exc} (the event log is untouched; "
+            + ("free space, then " if full else "")
+            + "run `gpumesh events rebuild` to recreate it)"
+        )
+
+
 class Projector:
     def __init__(
         self,
@@ -45,7 +58,10 @@ class Projector:
         """Restore the last checkpointed state, if there is one."""
         if self.db_path is None or not self.db_path.exists():
             return
-        row = await asyncio.to_thread(_read_checkpoint, self.db_path)
+        try:
+            row = await asyncio.to_thread(_read_checkpoint, self.db_path)
+        except sqlite3.Error as exc:
+            raise ReadModelError(self.db_path, exc) from exc
         if row is not None:
             self.state = fleet.restore(row)
             self.flushed_position = self.state.position
@@ -93,7 +109,10 @@ class Projector:
             return
         blob = fleet.snapshot(self.state)
         position = self.state.position
-        await asyncio.to_thread(_write_checkpoint, self.db_path, blob, self.state)
+        try:
+            await asyncio.to_thread(_write_checkpoint, self.db_path, blob, self.state)
+        except sqlite3.Error as exc:
+            raise ReadModelError(self.db_path, exc) from exc
         self.flushed_position = position
 
 

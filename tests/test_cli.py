@@ -165,3 +165,17 @@ def test_bad_duration_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
         main(["events", "compact", "--older-than", "soon"])
     assert info.value.code == 2
     assert "not a duration: 'soon'" in capsys.readouterr().err
+
+
+def test_an_unwritable_read_model_is_one_line_and_spares_the_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = str(tmp_path)
+    assert run(capsys, "events", "generate", "--data-dir", data, "--events", "300")[0] == 0
+    (tmp_path / "projections.db").mkdir()  # sqlite cannot open a directory as its file
+    code, out, err = run(capsys, "events", "rebuild", "--data-dir", data)
+    assert code == 1 and out == ""
+    assert err.startswith("gpumesh: error: read model ") and err.count("\n") == 1
+    assert "the event log is untouched" in err
+    with sqlite3.connect(tmp_path / "events.db") as db:
+        assert db.execute("SELECT count(*) FROM events").fetchone() == (300,)
