@@ -14,6 +14,7 @@ import contextlib
 import projections
 from events import HEARTBEAT_TYPE, EventStore
 from projections import FleetState
+from projections.catch_up import fold_log
 
 
 class LiveState:
@@ -29,12 +30,7 @@ class LiveState:
 
     async def catch_up(self) -> None:
         """Fold everything already committed (start-up, before actors are spawned)."""
-        while True:
-            page = await self.store.read_all(self.state.position + 1, 10_000)
-            for envelope in page:
-                projections.apply(self.state, envelope)
-            if len(page) < 10_000:
-                break
+        await fold_log(self.store, self.state, skip_superseded_heartbeats=True)
         self._notify()
 
     async def run(self) -> None:

@@ -154,6 +154,16 @@ class StoreStats:
     careful_replays: int = 0  # batches replayed with one SAVEPOINT per job
 
 
+def _settle(future: asyncio.Future[T], error: BaseException | None, result: T) -> None:
+    """Resolve a job's future on the loop thread, unless its caller already gave up on it."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 @dataclass(slots=True, eq=False)
 class _Append:
     stream: str
@@ -165,13 +175,8 @@ class _Append:
     wrote: bool = False
 
     def settle(self) -> None:
-        if self.future.done():
-            return
-        if self.error is not None:
-            self.future.set_exception(self.error)
-        else:
-            assert self.positions is not None
-            self.future.set_result(self.positions)
+        assert self.error is not None or self.positions is not None
+        _settle(self.future, self.error, self.positions or [])
 
 
 @dataclass(slots=True, eq=False)
@@ -181,12 +186,7 @@ class _SaveSnapshot:
     error: BaseException | None = None
 
     def settle(self) -> None:
-        if self.future.done():
-            return
-        if self.error is not None:
-            self.future.set_exception(self.error)
-        else:
-            self.future.set_result(None)
+        _settle(self.future, self.error, None)
 
 
 @dataclass(slots=True, eq=False)
@@ -197,12 +197,7 @@ class _Compact:
     error: BaseException | None = None
 
     def settle(self) -> None:
-        if self.future.done():
-            return
-        if self.error is not None:
-            self.future.set_exception(self.error)
-        else:
-            self.future.set_result(self.removed)
+        _settle(self.future, self.error, self.removed)
 
 
 _Job = _Append | _SaveSnapshot | _Compact

@@ -10,16 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 import sqlite_utils
 
 from events import EventStore
-from events.store import RebuildReader
 
 from . import fleet
+from .catch_up import fold_log
 from .views import FleetState
 
 CHECKPOINT_NAME = "fleet"
@@ -45,14 +44,12 @@ class Projector:
         db_path: Path | None,
         *,
         page_size: int = 10_000,
-        on_advance: Callable[[FleetState], None] | None = None,
     ) -> None:
         self.store = store
         self.db_path = db_path
         self.page_size = page_size
         self.state = FleetState()
         self.flushed_position = 0
-        self._on_advance = on_advance
 
     async def load(self) -> None:
         """Restore the last checkpointed state, if there is one."""
@@ -72,22 +69,12 @@ class Projector:
         With `skip_superseded_heartbeats` (a store that is a RebuildReader), heartbeats that a
         later one of the same node supersedes are not even decoded: the state is the same.
         """
-        store = self.store
-        fast = store if skip_superseded_heartbeats and isinstance(store, RebuildReader) else None
-        folded = 0
-        while True:
-            position = self.state.position + 1
-            if fast is not None:
-                page = await fast.read_for_rebuild(position, self.page_size)
-            else:
-                page = await store.read_all(position, self.page_size)
-            for envelope in page:
-                fleet.apply(self.state, envelope)
-            folded += len(page)
-            if page and self._on_advance is not None:
-                self._on_advance(self.state)
-            if len(page) < self.page_size:
-                break
+        folded = await fold_log(
+            self.store,
+            self.state,
+            page_size=self.page_size,
+            skip_superseded_heartbeats=skip_superseded_heartbeats,
+        )
         await self.flush()
         return folded
 
