@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from events import subjects
-from events.messages import ApiReply, DrainRequest, NameRequest, ScaleRequest
+from events.catalog import HEARTBEAT_TYPE
+from events.messages import ApiReply, DrainRequest, EventsRequest, NameRequest, ScaleRequest
 from projections import FleetState
 
 from .cluster_actor import ClusterError, Create, Delete, Scale
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from .controller import Controller
 
 _PREFIX = f"{subjects.PREFIX}.api."
+_MAX_EVENTS = 1000
+_SCAN_PAGES = 20
 
 
 class ControlApi:
@@ -34,6 +37,7 @@ class ControlApi:
             "node.list": self._nodes,
             "node.drain": self._drain,
             "routing.get": self._routing,
+            "events.list": self._events,
         }
 
     async def handle(self, msg: Msg) -> None:
@@ -95,6 +99,29 @@ class ControlApi:
 
     async def _routing(self, body: bytes) -> Any:
         return msgspec.json.decode(self.controller.routing_update())
+
+    async def _events(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body or b"{}", type=EventsRequest)
+        if req.after < 0 or not 1 <= req.limit <= _MAX_EVENTS:
+            raise SpecError(f"after: must be >= 0 and limit 1..{_MAX_EVENTS}")
+        store = self.controller.env.store
+        found: list[Any] = []
+        cursor = req.after
+        # Heartbeats are most of the log: scan a bounded number of pages past them so that one
+        # request makes progress without reading the whole log.
+        for _ in range(_SCAN_PAGES):
+            page = await store.read_all(cursor + 1, req.limit)
+            if not page:
+                break
+            for envelope in page:
+                cursor = envelope.position
+                if req.heartbeats or envelope.type != HEARTBEAT_TYPE:
+                    found.append(msgspec.to_builtins(envelope))
+                    if len(found) == req.limit:
+                        break
+            if len(found) == req.limit:
+                break
+        return {"events": found, "next": cursor, "head": await store.head()}
 
     def _known(self, name: str) -> None:
         if name not in self.state.clusters.clusters:

@@ -7,6 +7,8 @@ decoded at the edge; garbage is counted, logged and dropped, and never reaches a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from events.messages import Heartbeat, Register, RegisterReply, ReplicaReport, R
 
 from .cluster_actor import ClusterActor, ClusterMsg, Reconcile
 from .command_queue import CommandQueue
-from .env import Env, Msg, RandomSource
+from .env import BusError, Env, Msg, RandomSource
 from .health import HealthPolicy
 from .live_state import LiveState
 from .node_actor import Beat, Join, NodeActor, NodeMsg
@@ -38,6 +40,9 @@ class ControllerConfig:
     health: HealthPolicy = field(default_factory=HealthPolicy)
     reconcile_interval: float = 1.0  # a periodic pass catches anything a signal missed
     compact_heartbeats_after: float | None = None  # seconds; None keeps every heartbeat
+    # Routing updates are plain publishes (at most once): re-send the table this often so a
+    # gateway that missed one converges without waiting for the next change.
+    routing_refresh_interval: float = 5.0
 
 
 class Controller:
@@ -54,7 +59,7 @@ class Controller:
         self._system: ActorSystem | None = None
         self._rng = env.derive_rng("scheduler")
         self._spawn_lock = asyncio.Lock()
-        self._last_routes: dict[str, Any] | None = None
+        self._last_routes: tuple[Any, ...] | None = None
         self.log = env.log.bind(component="controller")
 
     # -- what the actors see (cluster_actor.Fleet) ------------------------------------------
@@ -263,12 +268,21 @@ class Controller:
 
     async def _routing_loop(self) -> None:
         changed = self.live.change_signal()
+        last_sent = -math.inf
         while True:
-            routes = self.live.state.routing.routes
-            if routes != self._last_routes:
-                self._last_routes = dict(routes)
-                await self.env.bus.publish(subjects.ROUTING, self.routing_update())
-            await changed.wait()
+            routing = self.live.state.routing
+            current = (dict(routing.routes), tuple(sorted(routing.live_clusters)))
+            now = self.env.clock.monotonic()
+            due = now - last_sent >= self.config.routing_refresh_interval
+            if current != self._last_routes or due:
+                self._last_routes = current
+                last_sent = now
+                try:
+                    await self.env.bus.publish(subjects.ROUTING, self.routing_update())
+                except BusError as exc:  # NATS down: the refresh re-sends once it is back
+                    self.log.warning("routing_publish_failed", error=str(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), self.config.routing_refresh_interval)
             changed.clear()
 
     async def _compaction_loop(self) -> None:
@@ -283,5 +297,9 @@ class Controller:
 
     def routing_update(self) -> bytes:
         return msgspec.json.encode(
-            RoutingUpdate(position=self.live.position, routes=dict(self.live.state.routing.routes))
+            RoutingUpdate(
+                position=self.live.position,
+                routes=dict(self.live.state.routing.routes),
+                clusters=tuple(sorted(self.live.state.routing.live_clusters)),
+            )
         )

@@ -52,6 +52,7 @@ from .replica import (
     ReplicaStarting as ReplicaStarting,
     ReplicaStopped as ReplicaStopped,
     ReplicaStopping as ReplicaStopping,
+    ReplicaSuspected as ReplicaSuspected,
 )
 from .store import (
     ANY as ANY,

@@ -23,6 +23,7 @@ from .replica import (
     ReplicaStarting,
     ReplicaStopped,
     ReplicaStopping,
+    ReplicaSuspected,
 )
 
 NodeEvent: TypeAlias = (
@@ -38,6 +39,7 @@ ReplicaEvent: TypeAlias = (
     | ReplicaFailed
     | ReplicaStopping
     | ReplicaStopped
+    | ReplicaSuspected
 )
 DomainEvent: TypeAlias = NodeEvent | ClusterEvent | ReplicaEvent
 
@@ -58,6 +60,7 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     ReplicaFailed,
     ReplicaStopping,
     ReplicaStopped,
+    ReplicaSuspected,
 )
 
 HEARTBEAT_TYPE = "node.heartbeat.v1"

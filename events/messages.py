@@ -126,6 +126,24 @@ class RoutingUpdate(
 
     position: int
     routes: dict[str, tuple[RouteEntry, ...]] = {}
+    # Every live cluster, with or without routes: a gateway tells "unknown cluster" (404) from
+    # "no ready replica yet" (wait, then 503). Absent from controllers older than this field.
+    clusters: tuple[str, ...] = ()
+
+
+class ReplicaSuspicion(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="suspicion.v1"
+):
+    """Gateway -> controller: the gateway ejected a replica after consecutive failures."""
+
+    gateway_id: str
+    cluster: str
+    replica_id: str
+    node_id: str
+    epoch: int
+    reason: str
+    failures: int = 0
+    ejected_for_s: float = 0.0
 
 
 class ApiReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="api_reply.v1"):
@@ -149,6 +167,14 @@ class DrainRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     node_id: str
 
 
+class EventsRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """`events.list`: committed events after a log position, oldest first."""
+
+    after: int = 0
+    limit: int = 500
+    heartbeats: bool = False  # heartbeats are most of the log; leave them out unless asked
+
+
 WireMessage: TypeAlias = (
     Register
     | RegisterReply
@@ -159,6 +185,7 @@ WireMessage: TypeAlias = (
     | Fault
     | FaultReply
     | RoutingUpdate
+    | ReplicaSuspicion
     | ApiReply
 )
 CreateClusterRequest = ClusterSpec

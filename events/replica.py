@@ -75,6 +75,23 @@ class ReplicaStopping(
     reason: str = ""
 
 
+class ReplicaSuspected(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.suspected.v1"
+):
+    """A gateway ejected this replica after consecutive failures: a hint, not a verdict.
+
+    The controller records it so that `gpumesh events` shows what clients saw before the node's
+    heartbeats said anything; health decisions stay with the node's own signals.
+    """
+
+    replica_id: str
+    epoch: int
+    gateway_id: str
+    reason: str  # the last failure: connect_error, reset, status_5xx, first_byte_timeout, ...
+    failures: int = 0  # consecutive failures that led to the ejection
+    ejected_for_s: float = 0.0
+
+
 class ReplicaStopped(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.stopped.v1"
 ):

@@ -26,8 +26,14 @@ COMMAND_ALL = f"{PREFIX}.node.*.cmd"
 # Events, published after commit: gpumesh.v1.events.<kind>.<id>
 EVENTS_ALL = f"{PREFIX}.events.>"
 
+# Gateway -> agent: HTTP requests tunnelled over NATS (the overlay transport).
+TUNNEL_ALL = f"{PREFIX}.node.*.tunnel"
+
 # Controller -> gateways.
 ROUTING = f"{PREFIX}.routing"
+
+# Gateway -> controller: a replica the gateway ejected after consecutive failures.
+SUSPECT = f"{PREFIX}.gateway.suspect"
 
 # Control API, request/reply: gpumesh.v1.api.<verb>
 API_ALL = f"{PREFIX}.api.>"
@@ -40,6 +46,7 @@ API_VERBS = (
     "node.list",
     "node.drain",
     "routing.get",
+    "events.list",
 )
 
 
@@ -61,6 +68,10 @@ def command(node_id: str) -> str:
 
 def fault(node_id: str) -> str:
     return f"{PREFIX}.node.{node_id}.fault"
+
+
+def tunnel(node_id: str) -> str:
+    return f"{PREFIX}.node.{node_id}.tunnel"
 
 
 def event(stream: str) -> str:

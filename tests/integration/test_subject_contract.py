@@ -149,6 +149,7 @@ def test_examples_match_their_subjects_and_builders() -> None:
         subjects.fault("gpu-1"),
         subjects.event("node/gpu-1"),
         subjects.ROUTING,
+        subjects.SUSPECT,
         *(subjects.api(verb) for verb in subjects.API_VERBS),
     }
     used = set()
@@ -162,6 +163,7 @@ def test_examples_match_their_subjects_and_builders() -> None:
     constants = {
         subjects.REGISTER_ALL, subjects.HEARTBEAT_ALL, subjects.REPORT_ALL,
         subjects.COMMAND_ALL, subjects.EVENTS_ALL, subjects.ROUTING, subjects.API_ALL,
+        subjects.SUSPECT,
     }  # fmt: skip
     assert constants <= {s.cell("Wildcard") for s in SECTIONS}
 
