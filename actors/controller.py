@@ -17,7 +17,14 @@ from typing import Any, TypeVar
 import msgspec
 
 from events import ClusterSpec, subjects
-from events.messages import Heartbeat, Register, RegisterReply, ReplicaReport, RoutingUpdate
+from events.messages import (
+    Heartbeat,
+    Register,
+    RegisterReply,
+    ReplicaReport,
+    ReplicaSuspicion,
+    RoutingUpdate,
+)
 
 from .cluster_actor import ClusterActor, ClusterMsg, Reconcile
 from .command_queue import CommandQueue
@@ -25,7 +32,7 @@ from .env import BusError, Env, Msg, RandomSource
 from .health import HealthPolicy
 from .live_state import LiveState
 from .node_actor import Beat, Join, NodeActor, NodeMsg
-from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report
+from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report, Suspect
 from .supervision import SupervisionPolicy
 from .system import ActorRef, ActorSystem
 
@@ -124,6 +131,7 @@ class Controller:
                 (subjects.HEARTBEAT_ALL, self._on_heartbeat),
                 (subjects.REGISTER_ALL, self._on_register),
                 (subjects.REPORT_ALL, self._on_report),
+                (subjects.SUSPECT, self._on_suspicion),
             ]
             for subject, handler in subscriptions:
                 sub = await bus.subscribe(subject, queue="controller")
@@ -235,6 +243,25 @@ class Controller:
             self._drop("impersonation", msg, f"report for {report.node_id} on {msg.subject}")
             return
         await self._route_report(report.node_id, report.replica)
+
+    async def _on_suspicion(self, msg: Msg) -> None:
+        suspicion = msgspec.json.decode(msg.data, type=ReplicaSuspicion)
+        view = self.live.state.replicas.replicas.get(suspicion.replica_id)
+        if view is None or view.epoch != suspicion.epoch or view.node_id != suspicion.node_id:
+            self._drop("stale_suspicion", msg, f"{suspicion.replica_id}@{suspicion.epoch}")
+            return
+        cluster = self.live.state.clusters.clusters.get(view.cluster)
+        ref = await self.replica(suspicion.replica_id, cluster.spec if cluster else None)
+        message = Suspect(
+            epoch=suspicion.epoch,
+            gateway_id=suspicion.gateway_id[:128],
+            reason=suspicion.reason[:64],
+            failures=suspicion.failures,
+            ejected_for_s=suspicion.ejected_for_s,
+        )
+        # Evidence, not a command: under load, dropping one beats queueing behind it.
+        if ref.stats().size < ref.stats().capacity:
+            ref.try_tell(message)
 
     async def _route_report(self, node_id: str, replica: Any) -> None:
         view = self.live.state.replicas.replicas.get(replica.replica_id)

@@ -22,6 +22,7 @@ from events import (
     ReplicaStarting,
     ReplicaStopped,
     ReplicaStopping,
+    ReplicaSuspected,
     stream_name,
 )
 from events.messages import ReplicaState, StartReplica, StopReplica
@@ -70,7 +71,18 @@ class Stop:
     reason: str
 
 
-ReplicaMsg = Place | Report | Fail | Stop
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    """A gateway ejected this replica: recorded as evidence, it changes no state."""
+
+    epoch: int
+    gateway_id: str
+    reason: str
+    failures: int
+    ejected_for_s: float
+
+
+ReplicaMsg = Place | Report | Fail | Stop | Suspect
 
 
 def start_command_id(replica_id: str, epoch: int) -> str:
@@ -155,6 +167,23 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
                 if stop:
                     await self._send_stop(state.node_id, state.epoch, reason)
                 return positions
+            case Suspect():
+                state = self.state
+                if msg.epoch != state.epoch or state.status not in ACTIVE:
+                    return []  # an old epoch, or already known to be down
+                return await self.persist(
+                    ctx,
+                    [
+                        ReplicaSuspected(
+                            replica_id=self.replica_id,
+                            epoch=msg.epoch,
+                            gateway_id=msg.gateway_id,
+                            reason=msg.reason,
+                            failures=msg.failures,
+                            ejected_for_s=msg.ejected_for_s,
+                        )
+                    ],
+                )
             case Stop(reason=reason):
                 state = self.state
                 if state.status not in ACTIVE:
