@@ -225,3 +225,45 @@ def test_an_agent_restart_that_lost_its_replica_gets_it_replaced() -> None:
             assert f.state.nodes.nodes[node].health == "healthy"  # the node itself is fine
 
     run_simulation(main())
+
+
+def test_a_gateways_suspicion_is_recorded_for_the_current_epoch_only() -> None:
+    from events import subjects
+    from events.messages import ReplicaSuspicion
+
+    async def main() -> None:
+        async with fleet(3) as f:
+            assert (await f.api("cluster.create", SPEC)).ok
+            await f.until(lambda: len(f.ready("llama")) == 2, within=10, why="2 ready")
+            view = f.state.replicas.replicas["llama-0"]
+
+            async def suspect(epoch: int) -> None:
+                message = ReplicaSuspicion(
+                    gateway_id="gw-1",
+                    cluster="llama",
+                    replica_id="llama-0",
+                    node_id=view.node_id,
+                    epoch=epoch,
+                    reason="connect_error",
+                    failures=3,
+                    ejected_for_s=5.0,
+                )
+                await f.bus.publish(subjects.SUSPECT, msgspec.json.encode(message))
+
+            def recorded() -> list[object]:
+                return [e for e in f.store.read_all_now() if e.type == "replica.suspected.v1"]
+
+            await suspect(view.epoch + 7)  # not an epoch the controller placed: dropped
+            await f.bus.publish(subjects.SUSPECT, b"not json")  # garbage: dropped, no crash
+            await suspect(view.epoch)
+            await f.until(lambda: len(recorded()) == 1, within=5, why="suspicion recorded")
+            event = recorded()[0]
+            assert event.payload.epoch == view.epoch  # type: ignore[attr-defined]
+            assert event.payload.gateway_id == "gw-1"  # type: ignore[attr-defined]
+            assert f.controller.dropped["stale_suspicion"] == 1
+            assert f.controller.dropped["garbage"] >= 1
+            # Evidence only: the replica is still ready and routed.
+            assert f.state.replicas.replicas["llama-0"].status == "ready"
+            assert projections.rebuild(f.store.read_all_now()) == f.state
+
+    run_simulation(main())
