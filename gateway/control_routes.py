@@ -1,0 +1,641 @@
+"""The control REST API, `/api/v1`: the CLI's verbs over HTTP, served through the control API.
+
+    app.add_subapp("/api/v1", control_app(bus))
+
+Every route is a client of the controller's request/reply API (`gpumesh.v1.api.<verb>`,
+docs/subjects.md "Control API") through the Bus protocol, so the gateway holds no fleet state of
+its own and works with any controller that answers on NATS.
+
+    POST   /clusters              cluster.create   body: a ClusterSpec mapping     -> 201
+    GET    /clusters              cluster.list                                     -> 200
+    GET    /clusters/{name}       cluster.get                                      -> 200
+    PATCH  /clusters/{name}       cluster.scale    body: {"replicas": N}           -> 200
+    DELETE /clusters/{name}       cluster.delete                                   -> 200
+    GET    /nodes                 node.list                                        -> 200
+    POST   /nodes/{id}/drain      node.drain                                       -> 200
+    GET    /events                events.list      ?after=&limit=&heartbeats=0|1   -> 200
+    GET    /events/stream         Server-Sent Events: the log from `after`, then live
+
+The stream sends `id: <position>`, `event: <type tag>`, `data: <Envelope JSON>` per event, in
+position order, each once; heartbeats only with `heartbeats=1`; `: keep-alive` after `keepalive`
+seconds of silence. `Last-Event-ID` (a reconnect) wins over `after`; with neither it starts at
+the log's head. An error after the response began is one `event: error` frame, then the end.
+
+Errors are `{"error": {"message": "<one line>", "type": "<kind>", "field": "<where>"}}`, `field`
+only when one input is to blame: a JSON path (`$.replicas`) for a body, the parameter's name
+(`after`) for a query parameter or header. Status codes:
+
+    400 invalid_request          the body or a query value is malformed, or the controller
+                                 refused it (a spec problem: `replicas: must be 0..1000 ...`)
+    404 not_found                an unknown cluster or node, or no such route
+    405 method_not_allowed
+    409 conflict                 the controller says it already exists
+    502 bad_reply                the controller's reply could not be decoded
+    503 controller_unavailable   no controller subscribed (NoResponders; with Retry-After: 2),
+                                 or the bus failed
+    504 controller_timeout       the controller did not answer within `timeout`
+    500 internal                 a bug here; logged, never a traceback to the client
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any, Final
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from actors.env import Bus, BusError, Msg, NoResponders, RequestTimeout, Subscription
+from actors.outbox import POSITION_HEADER
+from events import subjects
+from events.catalog import HEARTBEAT_TYPE
+from events.messages import ApiReply
+
+log = structlog.get_logger("gpumesh.gateway.control")
+
+RETRY_AFTER_S: Final = 2
+MAX_EVENTS_LIMIT: Final = 1000  # the controller's bound on events.list `limit`
+STREAM_PAGE: Final = 500  # events per events.list call while a stream catches up
+
+_JSON: Final = "application/json"
+_STATUS_TYPES: Final = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+# "gpu.count: must be 1..16" -> "gpu.count"; "unknown cluster 'x' (known: a)" does not match.
+_LEADING_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
+_AT_PATH = re.compile(r" - at `(\$[^`]*)`$")
+_NAMED_FIELD = re.compile(r"(?:missing required|contains unknown) field `([^`]+)`")
+
+
+# -- request and reply shapes -------------------------------------------------------------
+
+
+class ScaleBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`PATCH /clusters/{name}`."""
+
+    replicas: int
+
+
+class EventsQuery(msgspec.Struct, frozen=True):
+    """`GET /events` and `GET /events/stream` query parameters (strings, converted)."""
+
+    after: Annotated[int, msgspec.Meta(ge=0)] = 0
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_EVENTS_LIMIT)] = 500
+    heartbeats: bool = False
+
+
+class EventHead(msgspec.Struct, frozen=True):
+    """The two fields of an envelope the stream needs; the rest is passed on untouched."""
+
+    position: int
+    type: str
+
+
+class EventsPage(msgspec.Struct, frozen=True):
+    """`events.list` data, each envelope kept as the controller encoded it."""
+
+    events: list[msgspec.Raw]
+    next: int
+    head: int
+
+
+class _EventsReply(msgspec.Struct, frozen=True, kw_only=True):
+    """An ApiReply whose data is an EventsPage (the `type` tag is ignored)."""
+
+    ok: bool
+    error: str = ""
+    data: EventsPage | None = None
+
+
+_head_decoder = msgspec.json.Decoder(EventHead)
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+class ControlError(Exception):
+    """Becomes the JSON error response; raised by the helpers, caught by the middleware."""
+
+    def __init__(
+        self,
+        status: int,
+        kind: str,
+        message: str,
+        *,
+        field: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.message = " ".join(message.split())  # one line, whatever the source said
+        self.field = field
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        error: dict[str, str] = {"message": self.message, "type": self.kind}
+        if self.field:
+            error["field"] = self.field
+        return {"error": error}
+
+    def response(self) -> web.Response:
+        return web.Response(
+            status=self.status,
+            body=msgspec.json.encode(self.body()),
+            content_type=_JSON,
+            headers=self.headers,
+        )
+
+
+def invalid(message: str, field: str = "") -> ControlError:
+    return ControlError(400, "invalid_request", message, field=field)
+
+
+def body_field(message: str) -> str:
+    """The JSON path a one-line error blames, or '': `replicas: must be ...` -> `$.replicas`,
+    `... - at `$.gpu.count`` -> `$.gpu.count`, `Object missing required field `x`` -> `$.x`."""
+    if at := _AT_PATH.search(message):
+        return at.group(1)
+    if named := _NAMED_FIELD.search(message):
+        return f"$.{named.group(1)}"
+    if lead := _LEADING_FIELD.match(message):
+        return f"$.{lead.group(1)}"
+    return ""
+
+
+def validation_error(exc: msgspec.ValidationError, *, query: bool = False) -> ControlError:
+    """msgspec's reason, led by the field: `replicas: Expected `int`, got `str``."""
+    text = str(exc)
+    field = body_field(text)
+    reason = _AT_PATH.sub("", text)
+    if not field:
+        return invalid(f"body: {reason}")
+    name = field.removeprefix("$.")
+    return invalid(f"{name}: {reason}", name if query else field)
+
+
+def refused(error: str) -> ControlError:
+    """An ApiReply with ok=false, as the status it deserves."""
+    if error.startswith(("unknown cluster", "unknown node")):
+        return ControlError(404, "not_found", error)
+    if "already exists" in error:
+        return ControlError(409, "conflict", error)
+    return invalid(error, body_field(error))
+
+
+def unreachable(exc: BusError) -> ControlError:
+    if isinstance(exc, NoResponders):
+        return ControlError(
+            503,
+            "controller_unavailable",
+            f"controller not reachable (no responder on {exc.subject})",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    if isinstance(exc, RequestTimeout):
+        return ControlError(
+            504,
+            "controller_timeout",
+            f"controller did not answer on {exc.subject} within {exc.timeout:g} s",
+        )
+    return ControlError(
+        503,
+        "controller_unavailable",
+        f"controller not reachable: {exc}",
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+@web.middleware
+async def json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every failure as the JSON error shape: ours, aiohttp's (404, 405, 413) and bugs."""
+    try:
+        return await handler(request)
+    except ControlError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = _STATUS_TYPES.get(exc.status, "invalid_request" if exc.status < 500 else "internal")
+        error = ControlError(exc.status, kind, exc.reason)
+        error.headers = {k: v for k, v in exc.headers.items() if k == "Allow"}
+        return error.response()
+    except Exception:
+        log.exception("control_api_bug", method=request.method, path=request.path)
+        return ControlError(500, "internal", "internal error (logged by the gateway)").response()
+
+
+# -- the app ---------------------------------------------------------------------------------
+
+
+def control_app(
+    bus: Bus, *, timeout: float = 10.0, events_poll: float = 5.0, keepalive: float = 15.0
+) -> web.Application:
+    """The `/api/v1` sub-application. `timeout`: seconds to wait for each controller reply.
+    `events_poll`: while the live events subject is quiet for this long, a stream asks
+    `events.list` whether it missed anything (a live message lost in a reconnect, or no outbox
+    running); also the retry delay when the controller does not answer a stream's catch-up.
+    `keepalive`: seconds of silence before a stream sends a `: keep-alive` comment."""
+    api = _ControlApi(bus, timeout=timeout, events_poll=events_poll, keepalive=keepalive)
+    app = web.Application(middlewares=[json_errors])
+    app.router.add_post("/clusters", api.create_cluster, name="clusters")
+    app.router.add_get("/clusters", api.list_clusters)
+    app.router.add_get("/clusters/{name}", api.get_cluster, name="cluster")
+    app.router.add_patch("/clusters/{name}", api.scale_cluster)
+    app.router.add_delete("/clusters/{name}", api.delete_cluster)
+    app.router.add_get("/nodes", api.list_nodes)
+    app.router.add_post("/nodes/{node_id}/drain", api.drain_node)
+    app.router.add_get("/events", api.list_events)
+    app.router.add_get("/events/stream", api.stream_events)
+    return app
+
+
+def _ok(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        status=status, body=msgspec.json.encode(data), content_type=_JSON, headers=headers
+    )
+
+
+async def _json_object(request: web.Request) -> bytes:
+    """The raw body, once it is known to be one JSON object."""
+    raw = await request.read()
+    try:
+        msgspec.json.decode(raw, type=dict[str, Any])
+    except msgspec.ValidationError as exc:  # before DecodeError: it is one
+        raise invalid(f"body: {exc}", "$") from None
+    except msgspec.DecodeError as exc:
+        raise invalid(f"body: not valid JSON ({exc})", "$") from None
+    return raw
+
+
+def events_query(request: web.Request) -> EventsQuery:
+    try:
+        return msgspec.convert(dict(request.query), EventsQuery, strict=False)
+    except msgspec.ValidationError as exc:
+        raise validation_error(exc, query=True) from None
+
+
+def last_event_id(request: web.Request) -> int | None:
+    raw = request.headers.get("Last-Event-ID")
+    if raw is None or not raw.strip():
+        return None
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise invalid(f"Last-Event-ID: must be an event position, got {raw!r}", "Last-Event-ID")
+    return value
+
+
+class _ControlApi:
+    def __init__(self, bus: Bus, *, timeout: float, events_poll: float, keepalive: float) -> None:
+        self.bus = bus
+        self.timeout = timeout
+        self.events_poll = events_poll
+        self.keepalive = keepalive
+
+    async def _request(self, verb: str, body: bytes) -> bytes:
+        try:
+            msg = await self.bus.request(subjects.api(verb), body, timeout=self.timeout)
+        except BusError as exc:
+            raise unreachable(exc) from None
+        return msg.data
+
+    async def call(self, verb: str, body: object = None) -> Any:
+        """The verb's `data`, or the ControlError its failure maps to."""
+        raw = await self._request(verb, body if isinstance(body, bytes) else _encode(body))
+        try:
+            reply = msgspec.json.decode(raw, type=ApiReply)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ControlError(502, "bad_reply", f"unreadable reply to {verb}: {exc}") from None
+        if not reply.ok:
+            raise refused(reply.error)
+        return reply.data
+
+    async def events(self, after: int, limit: int, heartbeats: bool) -> EventsPage:
+        request = {"after": after, "limit": limit, "heartbeats": heartbeats}
+        raw = await self._request("events.list", msgspec.json.encode(request))
+        try:
+            reply = msgspec.json.decode(raw, type=_EventsReply)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ControlError(
+                502, "bad_reply", f"unreadable reply to events.list: {exc}"
+            ) from None
+        if not reply.ok or reply.data is None:
+            raise refused(reply.error or "events.list answered no data")
+        return reply.data
+
+    # -- clusters and nodes -------------------------------------------------------------
+
+    async def create_cluster(self, request: web.Request) -> web.Response:
+        cluster = await self.call("cluster.create", await _json_object(request))
+        headers = {}
+        if isinstance(cluster, dict) and isinstance(cluster.get("name"), str):
+            url = request.app.router["cluster"].url_for(name=cluster["name"])
+            headers["Location"] = str(url)
+        return _ok(cluster, 201, headers)
+
+    async def list_clusters(self, request: web.Request) -> web.Response:
+        return _ok(await self.call("cluster.list", {}))
+
+    async def get_cluster(self, request: web.Request) -> web.Response:
+        return _ok(await self.call("cluster.get", {"name": request.match_info["name"]}))
+
+    async def scale_cluster(self, request: web.Request) -> web.Response:
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw, type=ScaleBody)
+        except msgspec.ValidationError as exc:  # before DecodeError: it is one
+            raise validation_error(exc) from None
+        except msgspec.DecodeError as exc:
+            raise invalid(f"body: not valid JSON ({exc})", "$") from None
+        name = request.match_info["name"]
+        return _ok(await self.call("cluster.scale", {"name": name, "replicas": body.replicas}))
+
+    async def delete_cluster(self, request: web.Request) -> web.Response:
+        return _ok(await self.call("cluster.delete", {"name": request.match_info["name"]}))
+
+    async def list_nodes(self, request: web.Request) -> web.Response:
+        return _ok(await self.call("node.list", {}))
+
+    async def drain_node(self, request: web.Request) -> web.Response:
+        return _ok(await self.call("node.drain", {"node_id": request.match_info["node_id"]}))
+
+    # -- events ---------------------------------------------------------------------------
+
+    async def list_events(self, request: web.Request) -> web.Response:
+        query = events_query(request)
+        page = await self.events(query.after, query.limit, query.heartbeats)
+        return _ok({"events": page.events, "next": page.next, "head": page.head})
+
+    async def stream_events(self, request: web.Request) -> web.StreamResponse:
+        """Server-Sent Events from `after` (or Last-Event-ID; without either, from the log's
+        head: only what is committed from now on), then live, gapless and without duplicates.
+
+        The live subject is subscribed to first and buffers while the log is paged through
+        `events.list`; live events at or below what was sent are then skipped. A live event
+        that is not the next position (one lost in a reconnect, or dropped by a slow
+        subscription) sends the stream back to `events.list` to fill the hole first.
+        """
+        query = events_query(request)
+        resume = last_event_id(request)
+        after = resume if resume is not None else query.after if "after" in request.query else None
+        try:
+            sub = await self.bus.subscribe(subjects.EVENTS_ALL)
+        except BusError as exc:
+            raise unreachable(exc) from None
+        stream: _EventStream | None = None
+        try:
+            async with _Live(sub) as live:
+                # Asked before the response starts, so an absent controller is a plain 503.
+                limit = 1 if after is None else STREAM_PAGE
+                first = await self.events(after or 0, limit, query.heartbeats)
+                stream = _EventStream(self, request, live, heartbeats=query.heartbeats)
+                await stream.start()
+                if after is None:
+                    stream.cursor = first.head
+                else:
+                    stream.cursor = after
+                    await stream.emit_page(first)
+                    await stream.catch_up(target=first.head)
+                await stream.follow()
+        except _Gone:
+            log.debug("control_stream_client_gone", path=request.path)
+        except ControlError as exc:
+            if stream is None:
+                raise
+            # The response has begun: say why in-band and end; the client resumes from its
+            # Last-Event-ID.
+            log.warning("control_stream_failed", error=exc.message)
+            with contextlib.suppress(_Gone):
+                await stream.write_error(exc)
+        except Exception:
+            if stream is None:
+                raise
+            log.exception("control_stream_bug", path=request.path)
+            with contextlib.suppress(_Gone):
+                await stream.write_error(ControlError(500, "internal", "internal error"))
+        finally:
+            with contextlib.suppress(BusError):
+                await sub.unsubscribe()
+        assert stream is not None  # _Gone comes only from writes, after the stream began
+        return stream.response
+
+
+class _Gone(Exception):
+    """The stream's client disconnected."""
+
+
+class _Live:
+    """The live subscription, read one message at a time with a timeout (a timed-out read
+    keeps its pending read for next time, so no message is lost). Owns that one task."""
+
+    def __init__(self, sub: Subscription) -> None:
+        self._messages: AsyncIterator[Msg] = aiter(sub)
+        self._pending: asyncio.Task[Msg | None] | None = None
+
+    async def __aenter__(self) -> _Live:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        task, self._pending = self._pending, None
+        if task is not None and task.done() and not task.cancelled():
+            task.exception()  # retrieved: a message read for nobody is simply dropped
+        elif task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise asyncio.CancelledError()
+
+    async def _next(self) -> Msg | None:
+        try:
+            return await anext(self._messages)
+        except StopAsyncIteration:
+            return None
+
+    async def get(self, timeout: float) -> Msg | _Timeout | None:
+        """The next live message, None once the subscription ended, or TIMEOUT."""
+        if self._pending is None:
+            self._pending = asyncio.create_task(self._next(), name="control-stream-live")
+        done, _ = await asyncio.wait({self._pending}, timeout=max(timeout, 0.0))
+        if not done:
+            return TIMEOUT
+        task, self._pending = self._pending, None
+        return task.result()
+
+
+class _Timeout:
+    pass
+
+
+TIMEOUT: Final = _Timeout()
+
+
+class _EventStream:
+    """One SSE response: `cursor` is the last log position accounted for (sent, or skipped as
+    a heartbeat); every event written has a position above it, in increasing order."""
+
+    def __init__(
+        self, api: _ControlApi, request: web.Request, live: _Live, *, heartbeats: bool
+    ) -> None:
+        self.api = api
+        self.request = request
+        self.live = live
+        self.heartbeats = heartbeats
+        self.cursor = 0
+        self.response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # a buffering proxy in front would stall the tail
+            }
+        )
+        self._loop = asyncio.get_running_loop()
+        self._last_write = self._loop.time()
+
+    async def start(self) -> None:
+        try:
+            await self.response.prepare(self.request)
+        except ConnectionResetError:
+            raise _Gone() from None
+        await self._write(f"retry: {RETRY_AFTER_S * 1000}\n\n".encode())
+
+    async def write_error(self, error: ControlError) -> None:
+        """An `error` event (no id: it is not a log position) before the stream ends."""
+        body = msgspec.json.encode(error.body())
+        await self._write(b"event: error\ndata: %s\n\n" % body)
+
+    async def _write(self, chunk: bytes) -> None:
+        if self._gone():
+            raise _Gone()
+        try:
+            await self.response.write(chunk)
+        except ConnectionResetError:
+            raise _Gone() from None
+        self._last_write = self._loop.time()
+
+    def _gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    async def send(self, position: int, type_: str, data: bytes) -> None:
+        if position <= self.cursor:
+            return
+        self.cursor = position
+        if type_ == HEARTBEAT_TYPE and not self.heartbeats:
+            return
+        await self._write(sse_frame(position, type_, data))
+
+    async def emit_page(self, page: EventsPage) -> None:
+        for raw in page.events:
+            try:
+                head = _head_decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                error = f"unreadable event in events.list: {exc}"
+                raise ControlError(502, "bad_reply", error) from None
+            await self.send(head.position, head.type, bytes(raw))
+        self.cursor = max(self.cursor, page.next)
+
+    async def catch_up(self, target: int | None = None) -> None:
+        """Page `events.list` from the cursor until it reaches `target` (default: the head the
+        first reply reports) or stops moving."""
+        while target is None or self.cursor < target:
+            before = self.cursor
+            page = await self.api.events(before, STREAM_PAGE, self.heartbeats)
+            await self.emit_page(page)
+            if target is None:
+                target = page.head
+            if self.cursor >= target or self.cursor == before:
+                return
+
+    async def follow(self) -> None:
+        """Live until the client goes (raises _Gone) or the subscription ends (returns)."""
+        quiet_since = self._loop.time()
+        while True:
+            await self._tick()
+            got = await self.live.get(self._check)
+            if got is None:
+                log.info("control_stream_live_ended", path=self.request.path)
+                return
+            if isinstance(got, _Timeout):
+                if self._loop.time() - quiet_since >= self.api.events_poll:
+                    # Quiet: ask the log whether a live message went missing (or no outbox).
+                    quiet_since = self._loop.time()
+                    await self._catch_up_or_log()
+                continue
+            quiet_since = self._loop.time()
+            position = live_position(got)
+            if position is None or position <= self.cursor:
+                continue
+            if position > self.cursor + 1:
+                # A hole before this event: fill it from the log first, however long the
+                # controller takes to answer (meanwhile live messages wait in the subscription).
+                while not await self._catch_up_or_log(target=position - 1):
+                    await self._pause(self.api.events_poll)
+            await self._send_live(got, position)
+
+    @property
+    def _check(self) -> float:
+        """How often a quiet stream looks at its client and its keep-alive."""
+        return min(1.0, self.api.events_poll, self.api.keepalive)
+
+    async def _tick(self) -> None:
+        if self._gone():
+            raise _Gone()
+        if self._loop.time() - self._last_write >= self.api.keepalive:
+            await self._write(b": keep-alive\n\n")
+
+    async def _pause(self, seconds: float) -> None:
+        until = self._loop.time() + seconds
+        while (left := until - self._loop.time()) > 0:
+            await asyncio.sleep(min(left, self._check))
+            await self._tick()
+
+    async def _catch_up_or_log(self, target: int | None = None) -> bool:
+        """False when the controller is unreachable (try again later); other errors end the
+        stream."""
+        try:
+            await self.catch_up(target)
+        except ControlError as exc:
+            if exc.status not in (503, 504):
+                raise
+            log.warning("control_stream_catch_up_failed", cursor=self.cursor, error=exc.message)
+            return False
+        return True
+
+    async def _send_live(self, msg: Msg, position: int) -> None:
+        try:
+            head = _head_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.warning("control_stream_garbage", subject=msg.subject, position=position)
+            self.cursor = max(self.cursor, position)
+            return
+        await self.send(position, head.type, msg.data)
+
+
+def live_position(msg: Msg) -> int | None:
+    """A live event's log position: the outbox's header, else the envelope's own field."""
+    header = (msg.headers or {}).get(POSITION_HEADER)
+    if header is not None:
+        with contextlib.suppress(ValueError):
+            return int(header)
+    try:
+        return _head_decoder.decode(msg.data).position
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def sse_frame(position: int, type_: str, data: bytes) -> bytes:
+    """One SSE event. `data` is compact JSON (no raw newlines); the tag is kept to one line."""
+    tag = " ".join(type_.split())
+    return b"id: %d\nevent: %s\ndata: %s\n\n" % (position, tag.encode(), data)
+
+
+def _encode(body: object) -> bytes:
+    return msgspec.json.encode(body)
