@@ -102,8 +102,10 @@ class ControlApi:
 
     async def _events(self, body: bytes) -> Any:
         req = msgspec.json.decode(body or b"{}", type=EventsRequest)
-        if req.after < 0 or not 1 <= req.limit <= _MAX_EVENTS:
-            raise SpecError(f"after: must be >= 0 and limit 1..{_MAX_EVENTS}")
+        if req.after < 0:
+            raise SpecError(f"after: must be >= 0, got {req.after}")
+        if not 1 <= req.limit <= _MAX_EVENTS:
+            raise SpecError(f"limit: must be 1..{_MAX_EVENTS}, got {req.limit}")
         store = self.controller.env.store
         found: list[Any] = []
         cursor = req.after
