@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     nodeagent_cli.register(commands, [common])
 
+    from gateway import cli as gateway_cli
+
+    gateway_cli.register(commands, [common])
+
     from . import up
 
     up.register(commands, [common])

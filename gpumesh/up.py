@@ -47,6 +47,21 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help=f"also create cluster '{DEMO_CLUSTER}': 3 replicas of the echo workload",
     )
     up.add_argument("--nats", metavar="URL", help="use this NATS instead of starting one")
+    up.add_argument(
+        "--gateway",
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        help="where the gateway serves the OpenAI-compatible API (default 127.0.0.1:8080; "
+        "port 0 picks a free one)",
+    )
+    up.add_argument("--no-gateway", action="store_true", help="do not run a gateway")
+    up.add_argument(
+        "--transport",
+        choices=["direct", "overlay"],
+        default="direct",
+        help="how the gateway reaches replicas (default direct; overlay tunnels over NATS)",
+    )
+    up.add_argument("--keys", type=Path, metavar="FILE", help="the gateway's API key file")
     up.set_defaults(handler=run_up)
 
 
@@ -89,18 +104,26 @@ async def run_up(args: argparse.Namespace) -> int:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, stop.set)
+            gateway = None if args.no_gateway else _gateway(args, bus)
             async with asyncio.TaskGroup() as tasks:
                 ctl = tasks.create_task(controller.run(extra=[outbox.run]), name="controller")
                 await controller.ready.wait()
                 say(f"controller ready; event log {args.events_db}")
+                gw = None
+                if gateway is not None:
+                    gw = tasks.create_task(gateway.run(), name="gateway")
+                    await _started(gateway, gw)
+                    say(f"gateway serving on {gateway.url} ({args.transport} transport)")
                 for i in range(args.nodes):
                     agents.append(await _spawn_agent(url, i, args, logs))
                 await _wait_nodes(controller, args.nodes, stop)
                 if args.demo and not stop.is_set():
                     await _demo(bus, controller, stop)
-                _summary(args, url, controller)
+                _summary(args, url, controller, gateway.url if gateway else "")
                 await stop.wait()
-                say("stopping: agents first (they stop their workloads), then the controller")
+                say("stopping: the gateway, the agents (they stop their workloads), the controller")
+                if gw is not None:
+                    gw.cancel()
                 await _stop_agents(agents)
                 ctl.cancel()
         finally:
@@ -192,7 +215,37 @@ async def _demo(bus: Any, controller: Any, stop: asyncio.Event) -> None:
                 await stop.wait()
 
 
-def _summary(args: argparse.Namespace, url: str, controller: Any) -> None:
+def _gateway(args: argparse.Namespace, bus: Any) -> Any:
+    from actors.cli import CommandFailed
+    from actors.real_env import LoopClock, seeded_rng_factory
+    from gateway.auth import KeyFileError, KeyRing
+    from gateway.cli import parse_listen
+    from gateway.server import Gateway, GatewayConfig
+
+    try:
+        host, port = parse_listen(args.gateway)
+        keys = KeyRing.load(args.keys) if args.keys else KeyRing.open()
+    except (ValueError, KeyFileError) as exc:
+        raise CommandFailed(str(exc)) from None
+    config = GatewayConfig(
+        gateway_id=f"gw-up-{os.getpid()}", host=host, port=port, transport=args.transport
+    )
+    rng = seeded_rng_factory(int.from_bytes(os.urandom(8), "big"))("gateway")
+    return Gateway(bus, config, keys, clock=LoopClock(), rng=rng)
+
+
+async def _started(gateway: Any, task: asyncio.Task[None]) -> None:
+    """Wait until the gateway listens; if it cannot (port taken), its error surfaces here."""
+    waiter = asyncio.ensure_future(gateway.started.wait())
+    try:
+        await asyncio.wait({waiter, task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task.done():
+        task.result()
+
+
+def _summary(args: argparse.Namespace, url: str, controller: Any, gateway_url: str) -> None:
     routes = controller.live.state.routing.routes.get(DEMO_CLUSTER, ())
     lines = [
         "",
@@ -202,7 +255,15 @@ def _summary(args: argparse.Namespace, url: str, controller: Any) -> None:
         f"  logs:        {args.data_dir / 'logs'}",
         "  try:         gpumesh nodes   |   gpumesh cluster list   |   gpumesh events tail -f",
     ]
-    if routes:
+    if gateway_url:
+        lines.insert(2, f"  gateway:     {gateway_url}/v1  (OpenAI-compatible; /metrics)")
+    if gateway_url and args.demo:
+        lines.append(
+            f"  ask it:      curl -s {gateway_url}/v1/chat/completions -H "
+            '\'Content-Type: application/json\' -d \'{"model": "echo", "messages": '
+            '[{"role": "user", "content": "hello gpumesh"}]}\''
+        )
+    elif routes:
         lines.append(
             f"  a replica:   curl -s {routes[0].address}/v1/chat/completions -H "
             '\'Content-Type: application/json\' -d \'{"model": "echo", "messages": '

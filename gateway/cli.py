@@ -1,0 +1,175 @@
+"""`gpumesh gateway`: the OpenAI-compatible edge in front of every cluster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from actors.stack import find_nats_url
+
+from .retry import RetryPolicy
+from .router import RouterConfig
+
+DEFAULT_PORT = 8080
+
+
+def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    gw = commands.add_parser(
+        "gateway",
+        parents=list(parents),
+        help="run the OpenAI-compatible gateway",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/embeddings and "
+        "/v1/models for every cluster (the `model` is the cluster's name), /c/<cluster>/... "
+        "for any other API of a cluster, the control API under /api/v1, and /metrics. It "
+        "follows the controller's routing table over NATS and retries around failed replicas.",
+    )
+    add_arguments(gw)
+    gw.set_defaults(handler=run_gateway)
+
+
+def add_arguments(gw: argparse.ArgumentParser) -> None:
+    gw.add_argument(
+        "--nats",
+        metavar="URL",
+        help="NATS to follow (default: the local stack's, found through the data directory)",
+    )
+    gw.add_argument(
+        "--listen",
+        default=f"127.0.0.1:{DEFAULT_PORT}",
+        metavar="HOST:PORT",
+        help=f"where to serve (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks a free one)",
+    )
+    gw.add_argument(
+        "--transport",
+        choices=["direct", "overlay"],
+        default="direct",
+        help="direct: HTTP to each replica's address; overlay: tunnel requests over NATS to "
+        "the node's agent (for nodes behind NAT). Default: direct",
+    )
+    gw.add_argument(
+        "--keys",
+        type=Path,
+        metavar="FILE",
+        help="API keys per tenant, rate limits and admin keys (TOML; see gateway/auth.py). "
+        "Without it every client is admitted: a local development stack",
+    )
+    gw.add_argument("--gateway-id", help="this gateway's name in logs and events")
+    gw.add_argument(
+        "--max-body-mb", type=float, default=16.0, help="bigger bodies get 413 (default 16)"
+    )
+    retry = RetryPolicy()
+    gw.add_argument(
+        "--request-timeout",
+        type=float,
+        default=retry.deadline_s,
+        metavar="S",
+        help="overall time for a request to get an answer started, retries included "
+        f"(default {retry.deadline_s:g})",
+    )
+    gw.add_argument(
+        "--first-byte-timeout",
+        type=float,
+        default=retry.first_byte_timeout_s,
+        metavar="S",
+        help="a replica that sends nothing this long counts as failed "
+        f"(default {retry.first_byte_timeout_s:g})",
+    )
+    gw.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=retry.queue_timeout_s,
+        metavar="S",
+        help="how long a request waits for a cluster with no ready replica before 503 "
+        f"(default {retry.queue_timeout_s:g})",
+    )
+    gw.add_argument(
+        "--attempts",
+        type=int,
+        default=retry.max_attempts,
+        help=f"replicas tried per request (default {retry.max_attempts})",
+    )
+    router = RouterConfig()
+    gw.add_argument(
+        "--eject-after",
+        type=int,
+        default=router.eject_after,
+        help=f"consecutive failures that eject a replica (default {router.eject_after})",
+    )
+    gw.add_argument(
+        "--affinity",
+        choices=["off", "prefix", "user"],
+        default="off",
+        help="keep requests with the same prompt prefix (or `user`) on one replica, bounded "
+        "by load, so it can reuse its KV cache (default off: power of two choices)",
+    )
+    gw.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM)")
+    gw.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
+    gw.add_argument("--no-access-log", action="store_true", help="do not log a line per request")
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"--listen: expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def config_from(args: argparse.Namespace) -> Any:
+    from .server import GatewayConfig
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    host, port = parse_listen(args.listen)
+    return GatewayConfig(
+        gateway_id=args.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}",
+        host=host,
+        port=port,
+        transport=args.transport,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        retry=RetryPolicy(
+            max_attempts=args.attempts,
+            deadline_s=args.request_timeout,
+            first_byte_timeout_s=min(args.first_byte_timeout, args.request_timeout),
+            queue_timeout_s=args.queue_timeout,
+        ),
+        router=RouterConfig(eject_after=args.eject_after),
+        affinity=args.affinity,
+        access_log=not args.no_access_log,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
+
+
+async def run_gateway(args: argparse.Namespace) -> int:
+    import sys
+
+    from actors.cli import CommandFailed, run_until_stopped
+    from actors.nats_bus import NatsBus
+    from actors.real_env import LoopClock, seeded_rng_factory
+
+    from .auth import KeyFileError, KeyRing
+    from .server import Gateway
+
+    try:
+        config = config_from(args)
+        keys = KeyRing.load(args.keys) if args.keys else KeyRing.open()
+    except (ValueError, KeyFileError) as exc:
+        raise CommandFailed(str(exc)) from None
+    url = find_nats_url(args.data_dir, args.nats)
+    bus = await NatsBus.connect(url, name=f"gpumesh-gateway-{config.gateway_id}")
+    try:
+        rng = seeded_rng_factory(int.from_bytes(os.urandom(8), "big"))("gateway")
+        gateway = Gateway(bus, config, keys, clock=LoopClock(), rng=rng)
+        print(
+            f"gateway: {config.transport} transport, NATS {url}, serving on "
+            f"{'https' if config.tls_cert else 'http'}://{config.host}:{config.port}",
+            file=sys.stderr,
+        )
+        await run_until_stopped(gateway.run())
+    finally:
+        await bus.close()
+    return 0

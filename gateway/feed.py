@@ -1,0 +1,105 @@
+"""Keeps the gateway's routing table current: catch up on start, then follow live.
+
+The controller publishes the whole table on `gpumesh.v1.routing` whenever it changes and every
+few seconds besides; a gateway that starts (or reconnects) asks for it once with `routing.get`.
+Tables carry their event-log position, and the router ignores older ones, so the order in which
+the answer and the live updates arrive does not matter. No request ever waits on this: requests
+read the router's in-memory table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from actors.env import Bus, BusError, Msg
+from events import subjects
+from events.messages import ApiReply, RoutingUpdate
+
+from .dispatch import Dispatcher
+from .router import Router
+
+_UPDATE = msgspec.json.Decoder(RoutingUpdate)
+_REPLY = msgspec.json.Decoder(ApiReply)
+
+
+class RoutingFeed:
+    def __init__(
+        self,
+        bus: Bus,
+        router: Router,
+        dispatcher: Dispatcher,
+        log: Any,
+        *,
+        retry_s: float = 1.0,
+        request_timeout: float = 5.0,
+    ) -> None:
+        self._bus = bus
+        self._router = router
+        self._dispatcher = dispatcher
+        self._log = log
+        self._retry_s = retry_s
+        self._request_timeout = request_timeout
+        self.ready = asyncio.Event()  # set once a first table is in
+        self.dropped = 0  # undecodable messages on the routing subject
+
+    async def run(self) -> None:
+        while True:
+            try:
+                subscription = await self._bus.subscribe(subjects.ROUTING)
+            except BusError as exc:
+                self._log.warning("routing_subscribe_failed", error=str(exc))
+                await asyncio.sleep(self._retry_s)
+                continue
+            try:
+                # Subscribed first, then asked: an update published in between is not lost.
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(self._catch_up())
+                    async for msg in subscription:
+                        self._apply(msg)
+            except BusError as exc:
+                self._log.warning("routing_feed_lost", error=str(exc))
+                await asyncio.sleep(self._retry_s)
+            finally:
+                await subscription.unsubscribe()
+
+    async def catch_up(self) -> None:
+        """Ask the controller for the table now (start-up, and after a reconnect)."""
+        data = msgspec.json.encode({})
+        reply = await self._bus.request(
+            subjects.api("routing.get"), data, timeout=self._request_timeout
+        )
+        answer = _REPLY.decode(reply.data)
+        if not answer.ok:
+            raise BusError(f"routing.get refused: {answer.error}")
+        self._install(msgspec.convert(answer.data, RoutingUpdate))
+
+    async def _catch_up(self) -> None:
+        while not self.ready.is_set():
+            try:
+                await self.catch_up()
+            except (BusError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # No controller yet: live updates (or the next try) will bring the table.
+                self._log.info("routing_catch_up_pending", error=str(exc))
+                await asyncio.sleep(self._retry_s)
+
+    def _apply(self, msg: Msg) -> None:
+        try:
+            update = _UPDATE.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.dropped += 1
+            self._log.warning("routing_update_dropped", error=str(exc).splitlines()[0])
+            return
+        self._install(update)
+
+    def _install(self, update: RoutingUpdate) -> None:
+        if self._router.apply(update):
+            self._dispatcher.notify()
+            self._log.info(
+                "routing_updated",
+                position=update.position,
+                routes={c: len(r) for c, r in sorted(update.routes.items())},
+            )
+        self.ready.set()

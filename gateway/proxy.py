@@ -1,0 +1,385 @@
+"""The inference data path: pick a ready replica, send, retry around failures, stream back.
+
+Which replica, whether to retry and when to eject are decided by gateway/dispatch.py and
+gateway/router.py, which know nothing of HTTP; this module only turns HTTP into attempts and
+attempts back into HTTP. Until the client has seen a byte, every failure is retried elsewhere;
+after that, a streamed answer that breaks ends with an explicit SSE error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import msgspec
+from aiohttp import web
+
+from events.messages import RouteEntry
+
+from .auth import KeyRing
+from .dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
+from .instruments import Instruments
+from .router import Router
+from .transport.base import (
+    HOP_BY_HOP,
+    FirstByteTimeout,
+    ResetBeforeHead,
+    StreamBroken,
+    Transport,
+    UpstreamError,
+    UpstreamRequest,
+    UpstreamResponse,
+    UpstreamStatus,
+)
+
+Affinity = Literal["off", "prefix", "user"]
+
+
+class _OpenAIBody(msgspec.Struct):
+    """The fields routing needs; the rest of the body is forwarded untouched, never re-encoded."""
+
+    model: str = ""
+    stream: bool = False
+    user: str = ""
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+    input: msgspec.Raw = msgspec.Raw()
+
+
+_BODY = msgspec.json.Decoder(_OpenAIBody)
+_ERROR = msgspec.json.Encoder()
+# Client headers that stop at the gateway: its own credentials, and what each hop sets itself.
+_DROP = HOP_BY_HOP | {"authorization", "x-request-id", "accept-encoding"}
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    gateway_id: str
+    affinity: Affinity = "off"
+    affinity_prefix_bytes: int = 512  # of the prompt: long enough to tell system prompts apart
+    # A non-streaming answer up to this size is read whole before the client sees a byte, so a
+    # replica that dies mid-body is retried instead of truncating the answer.
+    buffer_limit: int = 8 * 1024 * 1024
+    access_log: bool = True
+
+
+@dataclass(slots=True)
+class _Answer:
+    response: UpstreamResponse
+    buffered: list[bytes]
+    complete: bool  # the whole body is in `buffered`
+    event_stream: bool
+
+
+def openai_error(status: int, message: str, code: str, **headers: str) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "upstream_error"
+    body = _ERROR.encode({"error": {"message": message, "type": kind, "code": code}})
+    return web.Response(
+        status=status, body=body, content_type="application/json", headers=headers or None
+    )
+
+
+class Proxy:
+    def __init__(
+        self,
+        router: Router,
+        dispatcher: Dispatcher,
+        transport: Transport,
+        instruments: Instruments,
+        keys: KeyRing,
+        settings: ProxySettings,
+        log: Any,
+    ) -> None:
+        self.router = router
+        self.dispatcher = dispatcher
+        self.transport = transport
+        self.instruments = instruments
+        self.keys = keys
+        self.settings = settings
+        self.log = log
+        self._ids = itertools.count(1)
+
+    def new_request_id(self) -> str:
+        return f"{self.settings.gateway_id}-{next(self._ids):x}"
+
+    # -- routes --------------------------------------------------------------------------
+
+    async def openai(self, request: web.Request) -> web.StreamResponse:
+        """/v1/chat/completions, /v1/completions, /v1/embeddings: routed by `model`."""
+        denied = self._admit(request)
+        if denied is not None:
+            return denied
+        body = await request.read()
+        try:
+            parsed = _BODY.decode(body)
+        except msgspec.DecodeError as exc:
+            return openai_error(400, f"the body is not a valid request: {exc}", "invalid_body")
+        if not parsed.model:
+            return openai_error(400, "`model` is required: one of GET /v1/models", "missing_model")
+        return await self._forward(
+            request, parsed.model, request.path_qs, body, self._affinity_key(parsed)
+        )
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """/c/<cluster>/<path>: any other HTTP API of a cluster, forwarded as it is."""
+        denied = self._admit(request)
+        if denied is not None:
+            return denied
+        cluster = request.match_info["cluster"]
+        tail = request.match_info.get("tail", "")
+        query = f"?{request.query_string}" if request.query_string else ""
+        body = await request.read()
+        return await self._forward(request, cluster, f"/{tail}{query}", body, "")
+
+    async def models(self, request: web.Request) -> web.Response:
+        denied = self._admit(request)
+        if denied is not None:
+            return denied
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "gpumesh"}
+            for name in self.router.clusters()
+        ]
+        return web.Response(
+            body=_ERROR.encode({"object": "list", "data": data}), content_type="application/json"
+        )
+
+    # -- the data path -------------------------------------------------------------------
+
+    def _admit(self, request: web.Request) -> web.Response | None:
+        if not self.keys.enabled:
+            return None
+        tenant = self.keys.authenticate(request.headers.get("Authorization"))
+        if tenant is None:
+            return openai_error(
+                401, "missing or unknown API key (Authorization: Bearer <key>)", "invalid_api_key"
+            )
+        wait = self.keys.admit(tenant)
+        if wait > 0:
+            self.instruments.rate_limited(tenant.name)
+            return openai_error(
+                429,
+                f"rate limit of tenant {tenant.name!r} exceeded; retry in {wait:.2f} s",
+                "rate_limited",
+                **{"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+        return None
+
+    def _affinity_key(self, body: _OpenAIBody) -> str:
+        match self.settings.affinity:
+            case "user":
+                return body.user
+            case "prefix":
+                raw = body.messages or body.prompt or body.input
+                return bytes(raw)[: self.settings.affinity_prefix_bytes].decode("utf-8", "replace")
+            case _:
+                return ""
+
+    async def _forward(
+        self, request: web.Request, cluster: str, path: str, body: bytes, key: str
+    ) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        request_id = request.headers.get("X-Request-Id") or self.new_request_id()
+        upstream = UpstreamRequest(
+            method=request.method,
+            path=path,
+            headers=[(k, v) for k, v in request.headers.items() if k.lower() not in _DROP],
+            body=body,
+            request_id=request_id,
+            first_byte_timeout=0.0,
+        )
+        attempts = 0
+        last_failure = ""
+
+        async def attempt(route: RouteEntry, first_byte_timeout: float) -> _Answer:
+            nonlocal attempts, last_failure
+            attempts += 1
+            if attempts > 1:
+                self.instruments.retry(cluster, last_failure)
+            try:
+                return await self._attempt(
+                    route, replace(upstream, first_byte_timeout=first_byte_timeout)
+                )
+            except UpstreamError as exc:
+                last_failure = exc.outcome
+                raise
+
+        status = 0
+        route: RouteEntry | None = None
+        try:
+            try:
+                route, answer = await self.dispatcher.run(cluster, attempt, key=key)
+            except UnknownCluster:
+                known = ", ".join(self.router.clusters()) or "none"
+                status = 404
+                return openai_error(
+                    404,
+                    f"The model `{cluster}` does not exist (known: {known})",
+                    "model_not_found",
+                )
+            except NoReadyReplica as exc:
+                status = 503
+                return openai_error(
+                    503,
+                    f"cluster {cluster!r} has no ready replica",
+                    "no_ready_replica",
+                    **{"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
+                )
+            except AttemptsExhausted as exc:
+                timed_out = isinstance(exc.last, FirstByteTimeout)
+                status = 504 if timed_out else 502
+                return openai_error(
+                    status,
+                    f"no replica of {cluster!r} answered after {exc.attempts} attempt(s); "
+                    f"last: {exc.last}",
+                    exc.last.outcome,
+                )
+            self.instruments.first_byte(cluster, loop.time() - started)
+            status = answer.response.status
+            return await self._respond(request, cluster, route, answer, request_id)
+        finally:
+            elapsed = loop.time() - started
+            self.instruments.request(cluster, status, elapsed)
+            if self.settings.access_log:
+                self.log.info(
+                    "request",
+                    request_id=request_id,
+                    method=request.method,
+                    path=path,
+                    cluster=cluster,
+                    replica=route.replica_id if route else None,
+                    status=status,
+                    attempts=attempts,
+                    duration_ms=round(elapsed * 1000, 2),
+                )
+
+    async def _attempt(self, route: RouteEntry, upstream: UpstreamRequest) -> _Answer:
+        response = await self.transport.open(route, upstream)
+        if response.status >= 500:
+            await response.aclose()
+            raise UpstreamStatus(route.replica_id, response.status)
+        event_stream = _is_event_stream(response.headers)
+        if event_stream:
+            return _Answer(response, [], complete=False, event_stream=True)
+        # Not a stream: read it whole while a failure can still be retried.
+        buffered: list[bytes] = []
+        size = 0
+        chunks = response.chunks()
+        try:
+            async with asyncio.timeout(upstream.first_byte_timeout):
+                async for chunk in chunks:
+                    buffered.append(chunk)
+                    size += len(chunk)
+                    if size > self.settings.buffer_limit:
+                        return _Answer(response, buffered, complete=False, event_stream=False)
+        except StreamBroken as exc:
+            await response.aclose()
+            raise ResetBeforeHead(route.replica_id, f"body broke off: {exc.detail}") from exc
+        except TimeoutError as exc:
+            await response.aclose()
+            raise FirstByteTimeout(
+                route.replica_id,
+                f"body not complete within {upstream.first_byte_timeout:g} s",
+            ) from exc
+        return _Answer(response, buffered, complete=True, event_stream=False)
+
+    async def _respond(
+        self,
+        request: web.Request,
+        cluster: str,
+        route: RouteEntry,
+        answer: _Answer,
+        request_id: str,
+    ) -> web.StreamResponse:
+        upstream = answer.response
+        headers = [(k, v) for k, v in upstream.headers if k.lower() != "x-request-id"]
+        if answer.complete:
+            self.router.finished(route, "ok")
+            response = web.Response(status=upstream.status, body=b"".join(answer.buffered))
+            _copy_headers(response, headers, request_id)
+            return response
+        stream = web.StreamResponse(status=upstream.status)
+        _copy_headers(stream, headers, request_id)
+        outcome: Any = "cancelled"
+        try:
+            await stream.prepare(request)
+            for chunk in answer.buffered:
+                await stream.write(chunk)
+            async for chunk in upstream.chunks():
+                await stream.write(chunk)
+            outcome = "ok"
+        except StreamBroken as exc:
+            outcome = "stream_broken"
+            self.instruments.stream_broken(cluster)
+            self.log.warning(
+                "stream_broken",
+                request_id=request_id,
+                cluster=cluster,
+                replica=route.replica_id,
+                error=exc.detail,
+            )
+            if answer.event_stream:
+                await _write_quietly(stream, _sse_error(exc, request_id))
+            else:
+                # No in-band way to say it: drop the connection so that the client sees an
+                # incomplete body, never a complete-looking truncated one.
+                if request.transport is not None:
+                    request.transport.abort()
+                return stream
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise  # the client went away; `finally` records it as cancelled
+        finally:
+            ejection = self.router.finished(route, outcome)
+            if ejection is not None:
+                self.dispatcher.on_ejection(ejection)
+            await upstream.aclose()
+        await _write_eof_quietly(stream)
+        return stream
+
+
+def _is_event_stream(headers: Sequence[tuple[str, str]]) -> bool:
+    for name, value in headers:
+        if name.lower() == "content-type":
+            return value.startswith("text/event-stream")
+    return False
+
+
+def _copy_headers(
+    response: web.StreamResponse, headers: Sequence[tuple[str, str]], request_id: str
+) -> None:
+    for name, value in headers:
+        response.headers.add(name, value)
+    response.headers["X-Request-Id"] = request_id
+
+
+def _sse_error(exc: StreamBroken, request_id: str) -> bytes:
+    error = {
+        "error": {
+            "message": f"the replica failed mid-stream ({exc.detail}); the answer is incomplete",
+            "type": "upstream_error",
+            "code": "stream_broken",
+            "request_id": request_id,
+        }
+    }
+    return b"event: error\ndata: " + _ERROR.encode(error) + b"\n\n"
+
+
+async def _write_quietly(stream: web.StreamResponse, data: bytes) -> None:
+    try:
+        await stream.write(data)
+    except ConnectionResetError:
+        pass
+
+
+async def _write_eof_quietly(stream: web.StreamResponse) -> None:
+    try:
+        await stream.write_eof()
+    except ConnectionResetError:
+        pass
+
+
+__all__ = ["Proxy", "ProxySettings", "openai_error"]

@@ -1,0 +1,176 @@
+"""A running gateway: the routing feed, the HTTP server and the suspicion publisher, owned together.
+
+`Gateway.run()` owns every task in one TaskGroup; cancelling it (SIGTERM in `gpumesh gateway`)
+stops accepting connections, gives in-flight requests `shutdown_grace_s` to finish, then closes
+the upstream pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+import structlog
+from aiohttp import web
+
+from actors.env import Bus, BusError, Clock, RandomSource
+from events import subjects
+from events.messages import ReplicaSuspicion
+
+from .app import build_app
+from .auth import KeyRing
+from .dispatch import Dispatcher
+from .feed import RoutingFeed
+from .instruments import Instruments
+from .metrics import Registry
+from .proxy import Affinity, Proxy, ProxySettings
+from .retry import RetryPolicy
+from .router import Ejection, Router, RouterConfig
+from .transport.base import Transport
+from .transport.direct import DirectTransport
+
+TransportName = Literal["direct", "overlay"]
+_SUSPICIONS_QUEUED = 1000  # beyond this, suspicions are dropped: they are hints, not state
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    gateway_id: str
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0 picks a free one (tests)
+    transport: TransportName = "direct"
+    max_body_bytes: int = 16 * 1024 * 1024
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    affinity: Affinity = "off"
+    access_log: bool = True
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    shutdown_grace_s: float = 10.0
+    connect_timeout: float = 2.0
+
+
+class Gateway:
+    def __init__(
+        self,
+        bus: Bus,
+        config: GatewayConfig,
+        keys: KeyRing,
+        *,
+        clock: Clock,
+        rng: RandomSource,
+        log: Any = None,
+    ) -> None:
+        self.config = config
+        self.bus = bus
+        self.keys = keys
+        self.log = (log or structlog.get_logger("gpumesh.gateway")).bind(gateway=config.gateway_id)
+        self.router = Router(clock, rng, replace(config.router, affinity=config.affinity))
+        self.dispatcher = Dispatcher(
+            self.router, config.retry, clock, rng, on_ejection=self._on_ejection
+        )
+        self.registry = Registry()
+        self.instruments = Instruments(self.registry, self.router)
+        self.transport = self._transport()
+        self.proxy = Proxy(
+            self.router,
+            self.dispatcher,
+            self.transport,
+            self.instruments,
+            keys,
+            ProxySettings(
+                gateway_id=config.gateway_id,
+                affinity=config.affinity,
+                access_log=config.access_log,
+            ),
+            self.log,
+        )
+        self.feed = RoutingFeed(bus, self.router, self.dispatcher, self.log)
+        self._suspicions: asyncio.Queue[Ejection] = asyncio.Queue(_SUSPICIONS_QUEUED)
+        self.started = asyncio.Event()
+        self.url = ""
+
+    def _transport(self) -> Transport:
+        if self.config.transport == "overlay":
+            from .transport.overlay import OverlayTransport
+
+            return OverlayTransport(self.bus, connect_timeout=self.config.connect_timeout)
+        return DirectTransport(connect_timeout=self.config.connect_timeout)
+
+    def _on_ejection(self, ejection: Ejection) -> None:
+        self.instruments.ejection(ejection.cluster, ejection.reason)
+        self.log.warning(
+            "replica_ejected",
+            cluster=ejection.cluster,
+            replica=ejection.replica_id,
+            node=ejection.node_id,
+            reason=ejection.reason,
+            failures=ejection.failures,
+            ejected_for_s=round(ejection.duration_s, 2),
+        )
+        try:
+            self._suspicions.put_nowait(ejection)
+        except asyncio.QueueFull:
+            self.log.warning("suspicion_dropped", replica=ejection.replica_id)
+
+    async def run(self) -> None:
+        app = build_app(
+            self.proxy,
+            self.bus,
+            self.keys,
+            self.registry,
+            ready=self.feed.ready.is_set,
+            max_body_bytes=self.config.max_body_bytes,
+        )
+        runner = web.AppRunner(
+            app,
+            access_log=None,  # the proxy logs each request itself, with its routing context
+            handler_cancellation=True,  # a client that goes away stops its upstream request
+            shutdown_timeout=self.config.shutdown_grace_s,
+        )
+        await runner.setup()
+        try:
+            site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=self._tls())
+            await site.start()
+            port = runner.addresses[0][1]
+            scheme = "https" if self.config.tls_cert else "http"
+            self.url = f"{scheme}://{self.config.host}:{port}"
+            if not self.keys.enabled:
+                self.log.warning("auth_disabled", hint="no key file: every client is admitted")
+            self.log.info("gateway_listening", url=self.url, transport=self.transport.name)
+            self.started.set()
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self.feed.run(), name="routing-feed")
+                tasks.create_task(self._publish_suspicions(), name="suspicions")
+        finally:
+            await runner.cleanup()  # stops listening, waits for in-flight requests
+            await self.transport.close()
+
+    def _tls(self) -> ssl.SSLContext | None:
+        if self.config.tls_cert is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.config.tls_cert, self.config.tls_key)
+        return context
+
+    async def _publish_suspicions(self) -> None:
+        while True:
+            ejection = await self._suspicions.get()
+            message = ReplicaSuspicion(
+                gateway_id=self.config.gateway_id,
+                cluster=ejection.cluster,
+                replica_id=ejection.replica_id,
+                node_id=ejection.node_id,
+                epoch=ejection.epoch,
+                reason=ejection.reason,
+                failures=ejection.failures,
+                ejected_for_s=round(ejection.duration_s, 3),
+            )
+            try:
+                await self.bus.publish(subjects.SUSPECT, msgspec.json.encode(message))
+            except BusError as exc:
+                self.log.warning("suspicion_publish_failed", error=str(exc))

@@ -1,0 +1,314 @@
+"""The gateway over real HTTP and a real nats-server: routes, retries, ejection, streams, limits.
+
+A RoutingSource stands in for the controller (the routing table is the only thing the gateway
+needs from it); the full stack with a real controller and agents is in test_gateway_stack.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import openai
+import pytest
+
+from actors.nats_bus import NatsBus
+from events import subjects
+from events.messages import ReplicaSuspicion
+from gateway.auth import KeyRing
+from gateway.retry import RetryPolicy
+from gateway.router import RouterConfig
+from gateway.server import GatewayConfig
+from tests.integration.gateway_kit import (
+    RoutingSource,
+    Upstream,
+    free_port,
+    route,
+    running_gateway,
+    until,
+)
+
+pytestmark = pytest.mark.integration
+
+CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hello brave new world"}]}
+
+
+@pytest.fixture
+async def upstreams() -> AsyncIterator[list[Upstream]]:
+    started = [await Upstream(f"u{i}").start() for i in range(3)]
+    try:
+        yield started
+    finally:
+        for upstream in started:
+            await upstream.stop()
+
+
+@pytest.fixture
+async def source(bus: NatsBus) -> AsyncIterator[RoutingSource]:
+    async with RoutingSource(bus) as s:
+        yield s
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def serve_all(source: RoutingSource, upstreams: list[Upstream]) -> None:
+    await source.publish({"llama": [route(u.name, u.address) for u in upstreams]})
+
+
+async def test_openai_client_works_streaming_and_not(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream]
+) -> None:
+    await serve_all(source, upstreams)
+    async with running_gateway(bus) as gw:
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        try:
+            answer = await client.chat.completions.create(
+                model="llama", messages=[{"role": "user", "content": "hello gpumesh"}]
+            )
+            assert answer.choices[0].message.content == "hello gpumesh"
+            stream = await client.chat.completions.create(
+                model="llama",
+                messages=[{"role": "user", "content": "one two three"}],
+                stream=True,
+            )
+            pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+            assert "".join(pieces) == "one two three"
+            models = await client.models.list()
+            assert [m.id for m in models.data] == ["llama"]
+        finally:
+            await client.close()
+
+
+async def test_request_id_reaches_the_replica_and_comes_back(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    await serve_all(source, upstreams)
+    async with running_gateway(bus) as gw:
+        async with http.post(
+            f"{gw.url}/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "req-42"}
+        ) as resp:
+            assert resp.status == 200
+            assert resp.headers["X-Request-Id"] == "req-42"
+        seen = [h for u in upstreams for h in u.seen]
+        assert [h.get("X-Request-Id") for h in seen] == ["req-42"]
+        assert all("Authorization" not in h for h in seen)
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            generated = resp.headers["X-Request-Id"]
+        assert generated.startswith("gw-test-")
+
+
+async def test_unknown_model_is_404_and_a_bad_body_is_400(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    await serve_all(source, upstreams)
+    async with running_gateway(bus) as gw:
+        async with http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "model": "x"}) as r:
+            assert r.status == 404
+            error = (await r.json())["error"]
+            assert error["code"] == "model_not_found" and "llama" in error["message"]
+        async with http.post(f"{gw.url}/v1/completions", data=b"{not json") as r:
+            assert r.status == 400
+        async with http.post(f"{gw.url}/v1/embeddings", json={"input": "x"}) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["code"] == "missing_model"
+
+
+async def test_a_dead_replica_is_retried_around_then_ejected_and_reported(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    dead = route("dead", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    await source.publish({"llama": [dead, route("u0", upstreams[0].address)]})
+    suspicions = await bus.subscribe(subjects.SUSPECT)
+    config = GatewayConfig(gateway_id="gw-test", port=0, router=RouterConfig(eject_after=2))
+    async with running_gateway(bus, config) as gw:
+        for _ in range(20):
+            async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200  # never an error while a replica can serve
+        msg = await suspicions.next_msg(timeout=5)
+        suspicion = msgspec.json.decode(msg.data, type=ReplicaSuspicion)
+        assert (suspicion.replica_id, suspicion.reason) == ("dead", "connect_error")
+        assert suspicion.gateway_id == "gw-test" and suspicion.failures == 2
+        assert gw.router.is_ejected("dead")
+        metrics = await (await http.get(f"{gw.url}/metrics")).text()
+        assert 'gpumesh_gateway_retries_total{cluster="llama",reason="connect_error"} 2' in metrics
+        assert (
+            'gpumesh_gateway_ejections_total{cluster="llama",reason="connect_error"} 1' in metrics
+        )
+        assert 'gpumesh_gateway_requests_total{cluster="llama",status="200"} 20' in metrics
+
+
+async def test_a_replica_that_sends_no_first_byte_is_retried_elsewhere(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    upstreams[0].mode = "hang"
+    await source.publish({"llama": [route(u.name, u.address) for u in upstreams[:2]]})
+    retry = RetryPolicy(first_byte_timeout_s=0.3)
+    config = GatewayConfig(
+        gateway_id="gw-test", port=0, retry=retry, router=RouterConfig(eject_after=2)
+    )
+    async with running_gateway(bus, config) as gw:
+        statuses = []
+        for _ in range(8):
+            async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+                statuses.append(resp.status)
+                assert resp.headers.get("X-Upstream") == "u1"
+        assert statuses == [200] * 8
+        assert upstreams[0].hung.is_set()
+        assert gw.router.is_ejected("u0")  # consecutive timeouts ejected the hung replica
+
+
+async def test_a_5xx_before_the_first_byte_is_retried(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    upstreams[0].mode = "error"
+    await source.publish({"llama": [route(u.name, u.address) for u in upstreams[:2]]})
+    async with running_gateway(bus) as gw:
+        for _ in range(6):
+            async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200 and resp.headers["X-Upstream"] == "u1"
+
+
+async def test_a_stream_cut_mid_answer_ends_with_an_sse_error_event(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    upstreams[0].mode = "cut"
+    await source.publish({"llama": [route("u0", upstreams[0].address)]})
+    async with running_gateway(bus) as gw:
+        body = {**CHAT, "stream": True}
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            text = (await resp.read()).decode()
+        events = [e for e in text.split("\n\n") if e]
+        assert events[-1].startswith("event: error\ndata: ")
+        error = json.loads(events[-1].split("data: ", 1)[1])["error"]
+        assert error["code"] == "stream_broken"
+        assert "[DONE]" not in text
+        metrics = await (await http.get(f"{gw.url}/metrics")).text()
+        assert 'gpumesh_gateway_stream_errors_total{cluster="llama"} 1' in metrics
+
+        # The official client raises on it: no silent truncation.
+        client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+        try:
+            stream = await client.chat.completions.create(
+                model="llama", messages=[{"role": "user", "content": "a b c d"}], stream=True
+            )
+            with pytest.raises(openai.APIError, match="mid-stream"):
+                async for _ in stream:
+                    pass
+        finally:
+            await client.close()
+
+
+async def test_no_ready_replica_waits_then_503_or_is_served_when_one_appears(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    await source.publish({}, "llama")  # the cluster exists, nothing ready yet
+    config = GatewayConfig(gateway_id="gw-test", port=0, retry=RetryPolicy(queue_timeout_s=0.3))
+    async with running_gateway(bus, config) as gw:
+        resp = await http.post(f"{gw.url}/v1/chat/completions", json=CHAT)
+        assert resp.status == 503
+        assert int(resp.headers["Retry-After"]) >= 1
+        assert (await resp.json())["error"]["code"] == "no_ready_replica"
+
+    config = GatewayConfig(gateway_id="gw-test", port=0, retry=RetryPolicy(queue_timeout_s=10))
+    async with running_gateway(bus, config) as gw:
+        waiting = asyncio.ensure_future(http.post(f"{gw.url}/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await serve_all(source, upstreams)
+        resp = await asyncio.wait_for(waiting, 5)
+        assert resp.status == 200
+        resp.release()
+
+
+async def test_keys_rate_limits_and_the_admin_key(
+    bus: NatsBus,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+) -> None:
+    await serve_all(source, upstreams)
+    key_file = tmp_path / "keys.toml"
+    key_file.write_text(
+        'admin_keys = ["gm-admin"]\n'
+        "[tenants.acme]\n"
+        'keys = ["gm-acme"]\n'
+        "rate_per_s = 0.01\n"
+        "burst = 2\n"
+    )
+    async with running_gateway(bus, keys=KeyRing.load(key_file)) as gw:
+        url = f"{gw.url}/v1/chat/completions"
+        async with http.post(url, json=CHAT) as resp:
+            assert resp.status == 401
+        acme = {"Authorization": "Bearer gm-acme"}
+        for _ in range(2):
+            async with http.post(url, json=CHAT, headers=acme) as resp:
+                assert resp.status == 200
+        async with http.post(url, json=CHAT, headers=acme) as resp:
+            assert resp.status == 429
+            assert int(resp.headers["Retry-After"]) >= 1
+        async with http.get(f"{gw.url}/api/v1/clusters", headers=acme) as resp:
+            assert resp.status == 401  # a tenant key is not an admin key
+        async with http.get(f"{gw.url}/api/v1/nodes") as resp:
+            assert resp.status == 401
+
+
+async def test_bodies_over_the_limit_get_413(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    await serve_all(source, upstreams)
+    config = GatewayConfig(gateway_id="gw-test", port=0, max_body_bytes=1024)
+    async with running_gateway(bus, config) as gw:
+        big = {**CHAT, "messages": [{"role": "user", "content": "x" * 4096}]}
+        async with http.post(f"{gw.url}/v1/chat/completions", json=big) as resp:
+            assert resp.status == 413
+            assert (await resp.json())["error"]["code"] == "too_large"
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200
+
+
+async def test_cluster_passthrough_reaches_any_path(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    await source.publish({"llama": [route("u0", upstreams[0].address)]})
+    async with running_gateway(bus) as gw:
+        async with http.get(f"{gw.url}/c/llama/health?deep=1") as resp:
+            assert resp.status == 200
+            assert await resp.json() == {"status": "ok", "upstream": "u0", "query": "deep=1"}
+        async with http.get(f"{gw.url}/c/nope/health") as resp:
+            assert resp.status == 404
+
+
+async def test_two_gateways_follow_the_same_table(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    await source.publish({"llama": [route("u0", upstreams[0].address)]})
+    async with running_gateway(bus) as a, running_gateway(bus) as b:
+        await source.publish({"llama": [route("u1", upstreams[1].address)]})
+        await until(lambda: a.router.position == b.router.position == source.update.position)
+        for gw in (a, b):
+            async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+                assert resp.headers["X-Upstream"] == "u1"
+        assert a.router.routes("llama") == b.router.routes("llama")
+
+
+async def test_readiness_and_garbage_on_the_routing_subject(
+    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+) -> None:
+    await serve_all(source, upstreams)
+    async with running_gateway(bus) as gw:
+        async with http.get(f"{gw.url}/readyz") as resp:
+            assert resp.status == 200
+        await bus.publish(subjects.ROUTING, b"\xff garbage")
+        await until(lambda: gw.feed.dropped == 1)
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200  # the table it had still serves
