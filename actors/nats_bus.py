@@ -249,6 +249,10 @@ class NatsBus:
     def is_closed(self) -> bool:
         return bool(self._nc.is_closed)
 
+    def new_inbox(self) -> str:
+        """A subject unique to this connection (`_INBOX.<nuid>`), for replies to it."""
+        return str(self._nc.new_inbox())
+
     def jetstream(self, *, timeout: float = 5.0) -> JetStreamContext:
         return self._nc.jetstream(timeout=timeout)
 

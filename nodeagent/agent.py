@@ -31,7 +31,8 @@ from events.node import GpuMetrics
 
 from .config import AgentConfig
 from .gpu.probe import FaultInjectable, GpuProbe, ProbeError
-from .replica import ReplicaRunner
+from .replica import ReplicaRunner, http_address
+from .tunnel import TunnelServer
 from .workload.base import WorkloadDriver
 
 _REGISTER_REPLY = msgspec.json.Decoder(RegisterReply)
@@ -87,6 +88,10 @@ class Agent:
         self._seq = 0
         self._probe_failing = False
         self.registrations = 0  # accepted registrations, for tests and status
+        # The overlay transport's end: HTTP requests over NATS to our workloads, which listen
+        # where the driver probes them (loopback unless configured otherwise).
+        self._local_host = str(getattr(driver, "host", "127.0.0.1"))
+        self.tunnel = TunnelServer(env.bus, config.node_id, self.local_url, log=self._log)
 
     @property
     def registered(self) -> bool:
@@ -104,10 +109,19 @@ class Agent:
         async with asyncio.TaskGroup() as group:
             self._group = group
             group.create_task(self._serve_faults(), name="agent faults")
+            group.create_task(self.tunnel.run(), name="agent tunnel")
             group.create_task(self._registration(), name="agent registration")
             await self._registered.wait()
             group.create_task(self._heartbeats(), name="agent heartbeats")
             group.create_task(self._consume_commands(), name="agent commands")
+
+    def local_url(self, replica_id: str, epoch: int) -> str | None:
+        """Where this node's replica `replica_id` at `epoch` serves, for the tunnel; None
+        unless it runs here (starting or ready) with a port."""
+        runner = self._runners.get((replica_id, epoch))
+        if runner is None or runner.state.state in ("failed", "stopped") or not runner.state.port:
+            return None
+        return http_address(self._local_host, runner.state.port)
 
     def force_stop(self) -> None:
         """Cut the shutdown short (a second SIGTERM): workloads still inside their grace period

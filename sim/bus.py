@@ -97,6 +97,10 @@ class MemoryBus:
             delivered += 1
         return delivered
 
+    def new_inbox(self) -> str:
+        """A subject no other caller gets (`_INBOX.<n>`, deterministic), for replies to it."""
+        return f"_INBOX.{next(self._inboxes)}"
+
     async def subscribe(self, subject: str, *, queue: str = "") -> MemorySubscription:
         sub = MemorySubscription(self, subject, queue, next(self._sids))
         self._subs.append(sub)

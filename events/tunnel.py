@@ -1,0 +1,206 @@
+"""The HTTP tunnel's framing: HTTP requests over NATS from a gateway to a node's agent.
+
+Shared by both ends (gateway/transport/overlay.py and nodeagent/tunnel.py); docs/subjects.md,
+"HTTP tunnel", is the contract. Every frame is one binary NATS payload:
+
+    kind: u8 | seq: u32 big-endian | meta_len: u32 big-endian | meta (msgspec JSON) | payload
+
+`meta` is a tagged msgspec struct for the kinds that have one (else empty) and `payload` the
+raw bytes of a body, uncopied into JSON and unencoded. `seq` numbers the response frames of one
+request (HEAD, DATA, END, ERROR) from 0, so that a gateway notices a lost frame: NATS core
+delivers at most once. REQUEST, CANCEL and ACK carry seq 0 and are not counted.
+
+Decoding never raises anything but FrameError, whose message is one line.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final, Literal
+
+import msgspec
+
+# Gateway -> agent, on subjects.tunnel(node_id).
+REQUEST: Final = 0x01  # meta TunnelRequest, payload the request body; reply = the stream's inbox
+CANCEL: Final = 0x02  # meta TunnelCancel: stop the request streaming to `reply`
+
+# Agent -> gateway, on the request's reply subject.
+ACK: Final = 0x10  # no meta: the agent holds the request (sent only if no HEAD is ready soon)
+HEAD: Final = 0x11  # meta TunnelHead, payload the first body bytes (maybe all of them)
+DATA: Final = 0x12  # payload a body chunk
+END: Final = 0x13  # payload the last body bytes (maybe none): the body is complete
+ERROR: Final = 0x14  # meta TunnelError: the request failed; nothing follows
+
+KIND_NAMES: Final = {
+    REQUEST: "REQUEST",
+    CANCEL: "CANCEL",
+    ACK: "ACK",
+    HEAD: "HEAD",
+    DATA: "DATA",
+    END: "END",
+    ERROR: "ERROR",
+}
+
+_PREFIX: Final = struct.Struct(">BII")
+PREFIX_SIZE: Final = _PREFIX.size  # 9 bytes
+
+# Agent -> gateway frames stay below this, far under NATS's default max_payload (1 MiB).
+MAX_FRAME_PAYLOAD: Final = 256 * 1024
+
+# Why a request failed (TunnelError.reason). Before the response head: connect_error,
+# unknown_replica, overloaded and bad_request mean the workload never saw the request.
+ErrorReason = Literal[
+    "connect_error",  # the workload refused or could not be reached
+    "unknown_replica",  # this agent does not run that replica at that epoch
+    "overloaded",  # the agent is at its concurrency limit
+    "bad_request",  # the agent could not use the request (undecodable, bad method or path)
+    "reset",  # the workload closed the connection before or while answering
+    "first_byte_timeout",  # no response head within timeout_s
+    "cancelled",  # the agent is shutting down
+    "internal",  # a bug in the agent
+]
+NOT_DELIVERED: Final = frozenset({"connect_error", "unknown_replica", "overloaded", "bad_request"})
+
+Headers = tuple[tuple[str, str], ...]
+
+
+class TunnelRequest(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="tunnel.request.v1"
+):
+    """The head of one HTTP request for a replica on the agent's node."""
+
+    request_id: str  # the HTTP request's id (X-Request-Id), for logs
+    replica_id: str
+    epoch: int  # the agent serves only a replica it runs at exactly this epoch
+    method: str
+    path: str  # path and query, e.g. /v1/chat/completions
+    headers: Headers = ()  # end-to-end headers, as [name, value] pairs
+    timeout_s: float = 0.0  # until the response head must be in (0: no limit)
+
+
+class TunnelCancel(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="tunnel.cancel.v1"
+):
+    """Stop the request whose frames go to `reply` (the client went away, or gave up)."""
+
+    reply: str
+    request_id: str = ""
+
+
+class TunnelHead(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="tunnel.head.v1"
+):
+    status: int
+    headers: Headers = ()  # end-to-end headers of the workload's response
+    end: bool = False  # the frame's payload is the whole body: no DATA or END follows
+
+
+class TunnelError(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="tunnel.error.v1"
+):
+    reason: ErrorReason
+    detail: str = ""  # one line
+
+
+Meta = TunnelRequest | TunnelCancel | TunnelHead | TunnelError
+
+
+class FrameError(ValueError):
+    """Bytes that are not a tunnel frame; the message is one line."""
+
+
+class Frame(msgspec.Struct, frozen=True):
+    kind: int
+    seq: int = 0
+    meta: Meta | None = None
+    payload: bytes = b""
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES.get(self.kind, f"0x{self.kind:02x}")
+
+
+_ENCODER: Final = msgspec.json.Encoder()
+_META_TYPES: Final[dict[int, type[Meta] | None]] = {
+    REQUEST: TunnelRequest,
+    CANCEL: TunnelCancel,
+    ACK: None,
+    HEAD: TunnelHead,
+    DATA: None,
+    END: None,
+    ERROR: TunnelError,
+}
+_DECODERS: Final = {
+    kind: msgspec.json.Decoder(cls) for kind, cls in _META_TYPES.items() if cls is not None
+}
+
+
+def encode(kind: int, *, seq: int = 0, meta: Meta | None = None, payload: bytes = b"") -> bytes:
+    """One frame. `meta` must be the kind's meta type (None for ACK, DATA, END)."""
+    expected = _META_TYPES.get(kind, ...)
+    if expected is ...:
+        raise ValueError(f"unknown tunnel frame kind 0x{kind:02x}")
+    if (meta is None) != (expected is None) or (meta is not None and type(meta) is not expected):
+        raise ValueError(f"a {KIND_NAMES[kind]} frame takes {expected!r} as meta, not {meta!r}")
+    raw = _ENCODER.encode(meta) if meta is not None else b""
+    return b"".join((_PREFIX.pack(kind, seq, len(raw)), raw, payload))
+
+
+def encode_request(request: TunnelRequest, body: bytes = b"") -> bytes:
+    return encode(REQUEST, meta=request, payload=body)
+
+
+def encode_cancel(reply: str, request_id: str = "") -> bytes:
+    return encode(CANCEL, meta=TunnelCancel(reply=reply, request_id=request_id))
+
+
+def encode_ack() -> bytes:
+    return _ACK
+
+
+def encode_head(seq: int, head: TunnelHead, payload: bytes = b"") -> bytes:
+    return encode(HEAD, seq=seq, meta=head, payload=payload)
+
+
+def encode_data(seq: int, payload: bytes) -> bytes:
+    return _PREFIX.pack(DATA, seq, 0) + payload
+
+
+def encode_end(seq: int, payload: bytes = b"") -> bytes:
+    return _PREFIX.pack(END, seq, 0) + payload
+
+
+def encode_error(seq: int, reason: ErrorReason, detail: str = "") -> bytes:
+    line = " ".join(detail.split())  # one line, whatever the cause's text was
+    return encode(ERROR, seq=seq, meta=TunnelError(reason=reason, detail=line))
+
+
+_ACK: Final = _PREFIX.pack(ACK, 0, 0)
+
+
+def decode(data: bytes) -> Frame:
+    """The frame in `data`; FrameError (one line) for anything else."""
+    if len(data) < PREFIX_SIZE:
+        raise FrameError(f"not a tunnel frame: {len(data)} bytes, shorter than its 9-byte prefix")
+    kind, seq, meta_len = _PREFIX.unpack_from(data)
+    if kind not in _META_TYPES:
+        raise FrameError(f"not a tunnel frame: unknown kind 0x{kind:02x}")
+    end = PREFIX_SIZE + meta_len
+    if end > len(data):
+        raise FrameError(
+            f"truncated {KIND_NAMES[kind]} frame: meta of {meta_len} bytes, "
+            f"{len(data) - PREFIX_SIZE} left"
+        )
+    decoder = _DECODERS.get(kind)
+    meta: Meta | None = None
+    if decoder is not None:
+        if meta_len == 0:
+            raise FrameError(f"{KIND_NAMES[kind]} frame without its meta")
+        try:
+            meta = decoder.decode(data[PREFIX_SIZE:end])
+        except msgspec.DecodeError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise FrameError(f"{KIND_NAMES[kind]} frame with undecodable meta: {first}") from None
+    elif meta_len:
+        raise FrameError(f"{KIND_NAMES[kind]} frame with {meta_len} bytes of meta, expected none")
+    return Frame(kind, seq, meta, data[end:])

@@ -1,0 +1,343 @@
+"""The agent's end of the HTTP tunnel: HTTP requests that arrive over NATS, forwarded to the
+local workloads, their responses streamed back in frames (events/tunnel.py, docs/subjects.md).
+
+A node behind NAT has only its outbound NATS connection; the gateway's overlay transport
+(gateway/transport/overlay.py) sends each request to `subjects.tunnel(node_id)` with a reply
+inbox, and this server answers on that inbox: HEAD, then DATA frames as the body arrives, then
+END (or ERROR). Everything goes through the Bus protocol, so it runs on the simulator's
+MemoryBus as on NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Final
+
+import aiohttp
+import structlog
+
+from actors.env import Bus, BusError
+from events import subjects, tunnel as frames
+from events.tunnel import ErrorReason, FrameError, TunnelCancel, TunnelHead, TunnelRequest
+
+# (replica_id, epoch) -> the workload's base URL on this node (http://127.0.0.1:8000), or None
+# when this agent does not run that replica at that epoch.
+Resolve = Callable[[str, int], str | None]
+
+DEFAULT_MAX_CONCURRENT: Final = 512
+# A request whose response head is not ready this soon after it arrived gets an ACK frame, so
+# that the gateway tells "the agent holds it" (then FirstByteTimeout) from "nobody got it"
+# (ConnectFailed). Fast requests need none: their HEAD is the acknowledgement.
+ACK_AFTER_S: Final = 0.05
+_RETRY_S: Final = 1.0
+
+# Set per hop (RFC 9110 7.6.1), and Host and Content-Length, which aiohttp sets for the hop.
+_HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+
+_log = structlog.get_logger("gpumesh.tunnel")
+
+
+class _Stream:
+    """One request in flight, answered on `reply`."""
+
+    __slots__ = ("ack_timer", "answered", "cancelled", "reply", "request_id", "seq", "task")
+
+    def __init__(self, reply: str, request_id: str) -> None:
+        self.reply = reply
+        self.request_id = request_id
+        self.seq = 0  # of the next response frame
+        self.answered = False  # a HEAD or ERROR went out: no ACK needed any more
+        self.cancelled = False  # by the gateway's CANCEL
+        self.task: asyncio.Task[None] | None = None
+        self.ack_timer: asyncio.TimerHandle | None = None
+
+
+class TunnelServer:
+    """Serves `subjects.tunnel(node_id)` until cancelled. `run()` owns a task per request (in a
+    TaskGroup) and one aiohttp session with keep-alive connections to the workloads."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        node_id: str,
+        resolve: Resolve,
+        *,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        frame_bytes: int = frames.MAX_FRAME_PAYLOAD,
+        ack_after_s: float = ACK_AFTER_S,
+        log: Any = None,
+    ) -> None:
+        self.subject = subjects.tunnel(node_id)
+        self._bus = bus
+        self._resolve = resolve
+        self._max_concurrent = max_concurrent
+        self._frame_bytes = frame_bytes
+        self._ack_after_s = ack_after_s
+        self._log: Any = (log if log is not None else _log).bind(component="tunnel")
+        self._streams: dict[str, _Stream] = {}
+        self._group: asyncio.TaskGroup | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._acks: asyncio.Queue[_Stream] = asyncio.Queue()
+        self.subscribed = asyncio.Event()  # for tests and callers that must not race the first
+        # Counters, for tests and status.
+        self.requests = 0
+        self.garbage = 0
+        self.cancels = 0
+        self.errors: dict[str, int] = {}
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                group.create_task(self._send_acks(), name="tunnel acks")
+                await self._serve()
+        finally:
+            self._group = None
+            session, self._session = self._session, None
+            if session is not None:
+                await session.close()
+
+    async def _serve(self) -> None:
+        while True:
+            try:
+                subscription = await self._bus.subscribe(self.subject)
+            except BusError as exc:
+                self._log.warning("tunnel_subscribe_failed", error=str(exc))
+                await asyncio.sleep(_RETRY_S)
+                continue
+            self.subscribed.set()
+            try:
+                async for msg in subscription:
+                    try:
+                        await self._receive(msg.data, msg.reply)
+                    except Exception:
+                        # A bug here must cost one request, not the agent and every replica.
+                        self._log.exception("tunnel_receive_crashed")
+            finally:
+                self.subscribed.clear()
+                await subscription.unsubscribe()
+            await asyncio.sleep(_RETRY_S)  # the bus ended the subscription: it is closing
+
+    async def _receive(self, data: bytes, reply: str) -> None:
+        try:
+            frame = frames.decode(data)
+        except FrameError as exc:
+            await self._garbage(str(exc), reply)
+            return
+        meta = frame.meta
+        if isinstance(meta, TunnelRequest):
+            await self._start(meta, frame.payload, reply)
+        elif isinstance(meta, TunnelCancel):
+            self._cancel(meta)
+        else:
+            await self._garbage(f"unexpected {frame.kind_name} frame on the tunnel subject", "")
+
+    async def _garbage(self, why: str, reply: str) -> None:
+        self.garbage += 1
+        if self.garbage == 1 or self.garbage % 1000 == 0:
+            self._log.warning("tunnel_garbage", error=why, count=self.garbage)
+        if reply and reply not in self._streams:
+            await self._publish(reply, frames.encode_error(0, "bad_request", why))
+
+    async def _start(self, request: TunnelRequest, body: bytes, reply: str) -> None:
+        if not reply:
+            await self._garbage("a REQUEST frame without a reply subject", "")
+            return
+        if reply in self._streams:
+            await self._garbage(f"a second REQUEST for the stream {reply}", "")
+            return
+        self.requests += 1
+        if len(self._streams) >= self._max_concurrent:
+            await self._fail_now(
+                reply, "overloaded", f"{self._max_concurrent} requests in flight on this agent"
+            )
+            return
+        base = self._resolve(request.replica_id, request.epoch)
+        if base is None:
+            await self._fail_now(
+                reply,
+                "unknown_replica",
+                f"this node does not run replica {request.replica_id} at epoch {request.epoch}",
+            )
+            return
+        if not request.path.startswith("/"):
+            await self._fail_now(reply, "bad_request", f"path {request.path!r} is not absolute")
+            return
+        assert self._group is not None
+        stream = _Stream(reply, request.request_id)
+        stream.ack_timer = asyncio.get_running_loop().call_later(
+            self._ack_after_s, self._ack_due, stream
+        )
+        self._streams[reply] = stream
+        stream.task = self._group.create_task(
+            self._handle(stream, request, base + request.path, body),
+            name=f"tunnel {request.request_id}",
+        )
+
+    def _cancel(self, cancel: TunnelCancel) -> None:
+        stream = self._streams.get(cancel.reply)
+        if stream is None or stream.task is None:
+            return  # finished already, or never here
+        self.cancels += 1
+        stream.cancelled = True
+        stream.task.cancel()
+
+    async def _fail_now(self, reply: str, reason: ErrorReason, detail: str) -> None:
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+        await self._publish(reply, frames.encode_error(0, reason, detail))
+
+    # Acknowledgements, for requests whose head takes a while.
+
+    def _ack_due(self, stream: _Stream) -> None:
+        stream.ack_timer = None
+        if not stream.answered:
+            self._acks.put_nowait(stream)
+
+    async def _send_acks(self) -> None:
+        while True:
+            stream = await self._acks.get()
+            if not stream.answered and stream.reply in self._streams:
+                await self._publish(stream.reply, frames.encode_ack())
+
+    # One request.
+
+    async def _handle(self, stream: _Stream, request: TunnelRequest, url: str, body: bytes) -> None:
+        try:
+            await self._forward(stream, request, url, body)
+        except asyncio.CancelledError:
+            if not stream.cancelled:
+                # The agent is shutting down: tell the gateway rather than leave it waiting.
+                await asyncio.shield(self._error(stream, "cancelled", "the agent is stopping"))
+            raise
+        except Exception as exc:
+            self._log.exception("tunnel_request_crashed", request_id=request.request_id)
+            await self._error(stream, "internal", f"agent error: {exc!r}")
+        finally:
+            if stream.ack_timer is not None:
+                stream.ack_timer.cancel()
+            self._streams.pop(stream.reply, None)
+
+    async def _forward(
+        self, stream: _Stream, request: TunnelRequest, url: str, body: bytes
+    ) -> None:
+        session = self._session
+        if session is None:
+            session = self._session = _new_session()
+        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
+        try:
+            async with asyncio.timeout(request.timeout_s or None):
+                response = await session.request(
+                    request.method,
+                    url,
+                    headers=headers,
+                    data=body or None,
+                    allow_redirects=False,
+                )
+        except aiohttp.ClientConnectorError as exc:
+            await self._error(stream, "connect_error", f"cannot reach {url}: {_describe(exc)}")
+            return
+        except TimeoutError:
+            await self._error(
+                stream, "first_byte_timeout", f"no response head within {request.timeout_s:g} s"
+            )
+            return
+        except ValueError as exc:  # a method or header aiohttp refuses (InvalidURL is one)
+            await self._error(stream, "bad_request", _describe(exc))
+            return
+        except (aiohttp.ClientError, OSError) as exc:
+            await self._error(stream, "reset", f"before the response head: {_describe(exc)}")
+            return
+        try:
+            await self._relay(stream, response)
+        except (aiohttp.ClientError, OSError) as exc:
+            await self._error(stream, "reset", f"in the response body: {_describe(exc)}")
+        finally:
+            if response.content.at_eof():
+                response.release()  # the connection goes back to the pool
+            else:
+                response.close()  # cancelled or broken: the workload sees the disconnect
+
+    async def _relay(self, stream: _Stream, response: aiohttp.ClientResponse) -> None:
+        """HEAD (with whatever body is in already), then the body in frames as it arrives,
+        each carrying everything buffered by then, up to the frame cap."""
+        content = response.content
+        cap = self._frame_bytes
+        head = TunnelHead(
+            status=response.status,
+            headers=tuple(
+                (str(k), v) for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP
+            ),
+        )
+        data = content.read_nowait(cap)
+        if content.at_eof():
+            head = TunnelHead(status=head.status, headers=head.headers, end=True)
+            await self._send(stream, frames.encode_head(stream.seq, head, data))
+            return
+        await self._send(stream, frames.encode_head(stream.seq, head, data))
+        while True:
+            data = await content.readany()
+            if not data:
+                await self._send(stream, frames.encode_end(stream.seq))
+                return
+            while len(data) > cap:
+                await self._send(stream, frames.encode_data(stream.seq, data[:cap]))
+                data = data[cap:]
+            if len(data) < cap:
+                data += content.read_nowait(cap - len(data))
+            if content.at_eof():
+                await self._send(stream, frames.encode_end(stream.seq, data))
+                return
+            await self._send(stream, frames.encode_data(stream.seq, data))
+
+    async def _send(self, stream: _Stream, frame: bytes) -> None:
+        stream.answered = True
+        stream.seq += 1
+        await self._publish(stream.reply, frame)
+
+    async def _error(self, stream: _Stream, reason: ErrorReason, detail: str) -> None:
+        self.errors[reason] = self.errors.get(reason, 0) + 1
+        if reason not in ("connect_error", "unknown_replica", "cancelled"):
+            self._log.info(
+                "tunnel_request_failed", request_id=stream.request_id, why=reason, detail=detail
+            )
+        await self._send(stream, frames.encode_error(stream.seq, reason, detail))
+
+    async def _publish(self, reply: str, frame: bytes) -> None:
+        try:
+            await self._bus.publish(reply, frame)
+        except BusError as exc:
+            # The gateway notices the missing frame (a gap, or its timeout).
+            self._log.warning("tunnel_publish_failed", error=str(exc))
+
+
+def _new_session() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),  # the server bounds concurrency itself
+        timeout=aiohttp.ClientTimeout(total=None),  # streams last as long as they last
+        auto_decompress=False,  # bytes pass through as the workload encoded them
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),  # only what the client sent
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
