@@ -312,3 +312,42 @@ async def test_readiness_and_garbage_on_the_routing_subject(
         await until(lambda: gw.feed.dropped == 1)
         async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
             assert resp.status == 200  # the table it had still serves
+
+
+@pytest.fixture
+def certificate(tmp_path: Path) -> tuple[Path, Path]:
+    import shutil
+    import subprocess
+
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl binary to make a test certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+         "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+async def test_tls(
+    bus: NatsBus,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    certificate: tuple[Path, Path],
+) -> None:
+    import ssl
+
+    cert, key = certificate
+    await serve_all(source, upstreams)
+    config = GatewayConfig(gateway_id="gw-test", port=0, tls_cert=cert, tls_key=key)
+    async with running_gateway(bus, config) as gw:
+        assert gw.url.startswith("https://")
+        trust = ssl.create_default_context(cafile=str(cert))
+        async with aiohttp.ClientSession() as session:
+            async with session.post(f"{gw.url}/v1/chat/completions", json=CHAT, ssl=trust) as r:
+                assert r.status == 200
+            with pytest.raises(aiohttp.ClientConnectorError):
+                await session.get(f"{gw.url}/healthz")  # untrusted without the CA
