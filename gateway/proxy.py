@@ -35,6 +35,7 @@ from .transport.base import (
     UpstreamResponse,
     UpstreamStatus,
 )
+from .transport.overlay import RequestTooLarge
 
 Affinity = Literal["off", "prefix", "user"]
 
@@ -54,6 +55,10 @@ _BODY = msgspec.json.Decoder(_OpenAIBody)
 _ERROR = msgspec.json.Encoder()
 # Client headers that stop at the gateway: its own credentials, and what each hop sets itself.
 _DROP = HOP_BY_HOP | {"authorization", "x-request-id", "accept-encoding"}
+
+
+class _TooLarge(Exception):
+    """The transport cannot carry this request to any replica (the overlay's size limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +192,11 @@ class Proxy:
         upstream = UpstreamRequest(
             method=request.method,
             path=path,
-            headers=[(k, v) for k, v in request.headers.items() if k.lower() not in _DROP],
+            # str(): aiohttp's names are `istr`, which a tunnel frame cannot encode.
+            headers=[
+                *((str(k), v) for k, v in request.headers.items() if k.lower() not in _DROP),
+                ("X-Request-Id", request_id),
+            ],
             body=body,
             request_id=request_id,
             first_byte_timeout=0.0,
@@ -204,6 +213,8 @@ class Proxy:
                 return await self._attempt(
                     route, replace(upstream, first_byte_timeout=first_byte_timeout)
                 )
+            except RequestTooLarge as exc:
+                raise _TooLarge(str(exc)) from exc  # no replica can take it: not a retry
             except UpstreamError as exc:
                 last_failure = exc.outcome
                 raise
@@ -213,6 +224,9 @@ class Proxy:
         try:
             try:
                 route, answer = await self.dispatcher.run(cluster, attempt, key=key)
+            except _TooLarge as exc:
+                status = 413
+                return openai_error(413, str(exc), "too_large")
             except UnknownCluster:
                 known = ", ".join(self.router.clusters()) or "none"
                 status = 404

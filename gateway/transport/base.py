@@ -69,7 +69,7 @@ class StreamBroken(UpstreamError):
 class UpstreamRequest:
     method: str
     path: str  # path and query as the replica should see them, e.g. /v1/chat/completions
-    headers: Sequence[tuple[str, str]]  # end-to-end headers only (no hop-by-hop, no Host)
+    headers: Sequence[tuple[str, str]]  # end-to-end only (no hop-by-hop, no Host); X-Request-Id
     body: bytes
     request_id: str
     first_byte_timeout: float  # seconds until the response head must have arrived

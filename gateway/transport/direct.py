@@ -7,6 +7,7 @@ a busy replica is reached without a TCP handshake per request.
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
@@ -84,14 +85,13 @@ class DirectTransport:
 
     async def open(self, route: RouteEntry, request: UpstreamRequest) -> DirectResponse:
         session = self._client()
-        headers = [*request.headers, ("X-Request-Id", request.request_id)]
         try:
             async with asyncio.timeout(request.first_byte_timeout):
                 context = session.request(
                     request.method,
                     route.address + request.path,
-                    headers=headers,
-                    data=request.body or None,
+                    headers=list(request.headers),
+                    data=_payload(request.body),
                     allow_redirects=False,
                     compress=False,
                 )
@@ -111,6 +111,17 @@ class DirectTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+_LARGE = 1024 * 1024
+
+
+def _payload(body: bytes) -> bytes | io.BytesIO | None:
+    # aiohttp writes a large bytes body in one go and warns that it may block the loop; a
+    # file-like object is written in pieces.
+    if not body:
+        return None
+    return io.BytesIO(body) if len(body) > _LARGE else body
 
 
 def _describe(exc: BaseException) -> str:

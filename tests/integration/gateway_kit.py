@@ -90,7 +90,7 @@ class Upstream:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> Upstream:
-        app = web.Application()
+        app = web.Application(client_max_size=8 * 1024 * 1024)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.chat)
         app.router.add_post("/v1/embeddings", self.chat)

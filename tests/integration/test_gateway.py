@@ -7,9 +7,13 @@ needs from it); the full stack with a real controller and agents is in test_gate
 from __future__ import annotations
 
 import asyncio
+import io
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -22,7 +26,8 @@ from events.messages import ReplicaSuspicion
 from gateway.auth import KeyRing
 from gateway.retry import RetryPolicy
 from gateway.router import RouterConfig
-from gateway.server import GatewayConfig
+from gateway.server import Gateway, GatewayConfig
+from nodeagent.tunnel import TunnelServer
 from tests.integration.gateway_kit import (
     RoutingSource,
     Upstream,
@@ -33,6 +38,8 @@ from tests.integration.gateway_kit import (
 )
 
 pytestmark = pytest.mark.integration
+Connect = Callable[[str], Any]
+StartGateway = Callable[..., AbstractAsyncContextManager[Gateway]]
 
 CHAT = {"model": "llama", "messages": [{"role": "user", "content": "hello brave new world"}]}
 
@@ -45,6 +52,51 @@ async def upstreams() -> AsyncIterator[list[Upstream]]:
     finally:
         for upstream in started:
             await upstream.stop()
+
+
+@pytest.fixture(params=["direct", "overlay"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """Every test runs over both transports: HTTP to the replica, and tunnelled over NATS."""
+    name: str = request.param
+    return name
+
+
+@pytest.fixture
+async def agents(
+    transport: str, upstreams: list[Upstream], connect: Connect
+) -> AsyncIterator[None]:
+    """For the overlay: one agent-side tunnel server per upstream's node, on its own NATS
+    connection, resolving the replica to the upstream's local address."""
+    if transport != "overlay":
+        yield
+        return
+    agent_bus = await connect("agents")
+    servers = [
+        TunnelServer(
+            agent_bus, f"node-{u.name}", lambda r, e, u=u: u.address if r == u.name else None
+        )
+        for u in upstreams
+    ]
+    async with asyncio.TaskGroup() as tasks:
+        running = [tasks.create_task(server.run()) for server in servers]
+        for server in servers:
+            await asyncio.wait_for(server.subscribed.wait(), 5)
+        try:
+            yield
+        finally:
+            for task in running:
+                task.cancel()
+
+
+@pytest.fixture
+def gateway(bus: NatsBus, transport: str, agents: None) -> StartGateway:
+    def start(
+        config: GatewayConfig | None = None, keys: KeyRing | None = None
+    ) -> AbstractAsyncContextManager[Gateway]:
+        config = config or GatewayConfig(gateway_id="gw-test", port=0)
+        return running_gateway(bus, replace(config, transport=transport), keys)
+
+    return start
 
 
 @pytest.fixture
@@ -64,10 +116,10 @@ async def serve_all(source: RoutingSource, upstreams: list[Upstream]) -> None:
 
 
 async def test_openai_client_works_streaming_and_not(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream]
+    bus: NatsBus, gateway: StartGateway, source: RoutingSource, upstreams: list[Upstream]
 ) -> None:
     await serve_all(source, upstreams)
-    async with running_gateway(bus) as gw:
+    async with gateway() as gw:
         client = openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
         try:
             answer = await client.chat.completions.create(
@@ -88,10 +140,14 @@ async def test_openai_client_works_streaming_and_not(
 
 
 async def test_request_id_reaches_the_replica_and_comes_back(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     await serve_all(source, upstreams)
-    async with running_gateway(bus) as gw:
+    async with gateway() as gw:
         async with http.post(
             f"{gw.url}/v1/chat/completions", json=CHAT, headers={"X-Request-Id": "req-42"}
         ) as resp:
@@ -106,10 +162,14 @@ async def test_request_id_reaches_the_replica_and_comes_back(
 
 
 async def test_unknown_model_is_404_and_a_bad_body_is_400(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     await serve_all(source, upstreams)
-    async with running_gateway(bus) as gw:
+    async with gateway() as gw:
         async with http.post(f"{gw.url}/v1/chat/completions", json={**CHAT, "model": "x"}) as r:
             assert r.status == 404
             error = (await r.json())["error"]
@@ -122,13 +182,17 @@ async def test_unknown_model_is_404_and_a_bad_body_is_400(
 
 
 async def test_a_dead_replica_is_retried_around_then_ejected_and_reported(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     dead = route("dead", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     await source.publish({"llama": [dead, route("u0", upstreams[0].address)]})
     suspicions = await bus.subscribe(subjects.SUSPECT)
     config = GatewayConfig(gateway_id="gw-test", port=0, router=RouterConfig(eject_after=2))
-    async with running_gateway(bus, config) as gw:
+    async with gateway(config) as gw:
         for _ in range(20):
             async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
                 assert resp.status == 200  # never an error while a replica can serve
@@ -146,7 +210,11 @@ async def test_a_dead_replica_is_retried_around_then_ejected_and_reported(
 
 
 async def test_a_replica_that_sends_no_first_byte_is_retried_elsewhere(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     upstreams[0].mode = "hang"
     await source.publish({"llama": [route(u.name, u.address) for u in upstreams[:2]]})
@@ -154,7 +222,7 @@ async def test_a_replica_that_sends_no_first_byte_is_retried_elsewhere(
     config = GatewayConfig(
         gateway_id="gw-test", port=0, retry=retry, router=RouterConfig(eject_after=2)
     )
-    async with running_gateway(bus, config) as gw:
+    async with gateway(config) as gw:
         statuses = []
         for _ in range(8):
             async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
@@ -166,22 +234,30 @@ async def test_a_replica_that_sends_no_first_byte_is_retried_elsewhere(
 
 
 async def test_a_5xx_before_the_first_byte_is_retried(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     upstreams[0].mode = "error"
     await source.publish({"llama": [route(u.name, u.address) for u in upstreams[:2]]})
-    async with running_gateway(bus) as gw:
+    async with gateway() as gw:
         for _ in range(6):
             async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
                 assert resp.status == 200 and resp.headers["X-Upstream"] == "u1"
 
 
 async def test_a_stream_cut_mid_answer_ends_with_an_sse_error_event(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     upstreams[0].mode = "cut"
     await source.publish({"llama": [route("u0", upstreams[0].address)]})
-    async with running_gateway(bus) as gw:
+    async with gateway() as gw:
         body = {**CHAT, "stream": True}
         async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
             assert resp.status == 200
@@ -208,18 +284,22 @@ async def test_a_stream_cut_mid_answer_ends_with_an_sse_error_event(
 
 
 async def test_no_ready_replica_waits_then_503_or_is_served_when_one_appears(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     await source.publish({}, "llama")  # the cluster exists, nothing ready yet
     config = GatewayConfig(gateway_id="gw-test", port=0, retry=RetryPolicy(queue_timeout_s=0.3))
-    async with running_gateway(bus, config) as gw:
+    async with gateway(config) as gw:
         resp = await http.post(f"{gw.url}/v1/chat/completions", json=CHAT)
         assert resp.status == 503
         assert int(resp.headers["Retry-After"]) >= 1
         assert (await resp.json())["error"]["code"] == "no_ready_replica"
 
     config = GatewayConfig(gateway_id="gw-test", port=0, retry=RetryPolicy(queue_timeout_s=10))
-    async with running_gateway(bus, config) as gw:
+    async with gateway(config) as gw:
         waiting = asyncio.ensure_future(http.post(f"{gw.url}/v1/chat/completions", json=CHAT))
         await asyncio.sleep(0.2)
         assert not waiting.done()
@@ -231,6 +311,7 @@ async def test_no_ready_replica_waits_then_503_or_is_served_when_one_appears(
 
 async def test_keys_rate_limits_and_the_admin_key(
     bus: NatsBus,
+    gateway: StartGateway,
     source: RoutingSource,
     upstreams: list[Upstream],
     http: aiohttp.ClientSession,
@@ -245,7 +326,7 @@ async def test_keys_rate_limits_and_the_admin_key(
         "rate_per_s = 0.01\n"
         "burst = 2\n"
     )
-    async with running_gateway(bus, keys=KeyRing.load(key_file)) as gw:
+    async with gateway(keys=KeyRing.load(key_file)) as gw:
         url = f"{gw.url}/v1/chat/completions"
         async with http.post(url, json=CHAT) as resp:
             assert resp.status == 401
@@ -263,11 +344,15 @@ async def test_keys_rate_limits_and_the_admin_key(
 
 
 async def test_bodies_over_the_limit_get_413(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     await serve_all(source, upstreams)
     config = GatewayConfig(gateway_id="gw-test", port=0, max_body_bytes=1024)
-    async with running_gateway(bus, config) as gw:
+    async with gateway(config) as gw:
         big = {**CHAT, "messages": [{"role": "user", "content": "x" * 4096}]}
         async with http.post(f"{gw.url}/v1/chat/completions", json=big) as resp:
             assert resp.status == 413
@@ -277,10 +362,14 @@ async def test_bodies_over_the_limit_get_413(
 
 
 async def test_cluster_passthrough_reaches_any_path(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     await source.publish({"llama": [route("u0", upstreams[0].address)]})
-    async with running_gateway(bus) as gw:
+    async with gateway() as gw:
         async with http.get(f"{gw.url}/c/llama/health?deep=1") as resp:
             assert resp.status == 200
             assert await resp.json() == {"status": "ok", "upstream": "u0", "query": "deep=1"}
@@ -289,10 +378,14 @@ async def test_cluster_passthrough_reaches_any_path(
 
 
 async def test_two_gateways_follow_the_same_table(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     await source.publish({"llama": [route("u0", upstreams[0].address)]})
-    async with running_gateway(bus) as a, running_gateway(bus) as b:
+    async with gateway() as a, gateway() as b:
         await source.publish({"llama": [route("u1", upstreams[1].address)]})
         await until(lambda: a.router.position == b.router.position == source.update.position)
         for gw in (a, b):
@@ -302,10 +395,14 @@ async def test_two_gateways_follow_the_same_table(
 
 
 async def test_readiness_and_garbage_on_the_routing_subject(
-    bus: NatsBus, source: RoutingSource, upstreams: list[Upstream], http: aiohttp.ClientSession
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
 ) -> None:
     await serve_all(source, upstreams)
-    async with running_gateway(bus) as gw:
+    async with gateway() as gw:
         async with http.get(f"{gw.url}/readyz") as resp:
             assert resp.status == 200
         await bus.publish(subjects.ROUTING, b"\xff garbage")
@@ -334,6 +431,7 @@ def certificate(tmp_path: Path) -> tuple[Path, Path]:
 
 async def test_tls(
     bus: NatsBus,
+    gateway: StartGateway,
     source: RoutingSource,
     upstreams: list[Upstream],
     certificate: tuple[Path, Path],
@@ -343,7 +441,7 @@ async def test_tls(
     cert, key = certificate
     await serve_all(source, upstreams)
     config = GatewayConfig(gateway_id="gw-test", port=0, tls_cert=cert, tls_key=key)
-    async with running_gateway(bus, config) as gw:
+    async with gateway(config) as gw:
         assert gw.url.startswith("https://")
         trust = ssl.create_default_context(cafile=str(cert))
         async with aiohttp.ClientSession() as session:
@@ -351,3 +449,25 @@ async def test_tls(
                 assert r.status == 200
             with pytest.raises(aiohttp.ClientConnectorError):
                 await session.get(f"{gw.url}/healthz")  # untrusted without the CA
+
+
+async def test_a_body_the_overlay_cannot_carry_is_413_not_a_retry_storm(
+    bus: NatsBus,
+    gateway: StartGateway,
+    transport: str,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    await serve_all(source, upstreams)
+    big = {**CHAT, "messages": [{"role": "user", "content": "word " * 400_000}]}  # 2 MB
+    async with gateway() as gw:
+        body = io.BytesIO(json.dumps(big).encode())  # aiohttp warns on a raw 2 MB bytes body
+        headers = {"Content-Type": "application/json"}
+        async with http.post(f"{gw.url}/v1/chat/completions", data=body, headers=headers) as resp:
+            if transport == "direct":
+                assert resp.status == 200
+            else:  # NATS's max_payload (1 MiB by default) bounds a tunnelled request
+                assert resp.status == 413
+                assert "exceeds" in (await resp.json())["error"]["message"]
+        assert not any(gw.router.is_ejected(u.name) for u in upstreams)
