@@ -19,31 +19,70 @@ controller, N agents with fake GPUs, real echo workloads. Health settings are th
         other than healthy (offline above all) is a false alarm; also reports the largest gap
         between two recorded heartbeats of any node.
 
+    python bench/failover.py --clients 64 [--seconds 20] [--kill-at 5]
+            [--proxies gateway,nginx,vllm-router] [--peers-venv DIR | --install-peers] [--json]
+        Client-side failover. Per proxy: a fresh stack (4 agents, cluster `echo` of 3 paced
+        replicas: 20 ms to the first token, 200 tokens/s, 20-word prompts, so an answer takes
+        about 115 ms), the proxy in front of it (the gateway following the stack's NATS; nginx
+        or vllm-router configured with the 3 replica addresses), and N closed-loop clients in
+        their own process (bench/_failover_clients.py: half streaming, no retries, 10 s
+        timeout). At --kill-at s, SIGKILL the agent of a node holding one replica, and its
+        workload; the load goes on until --seconds. Reported per proxy: requests sent and
+        succeeded; failed before the first byte (no response head, or an error status;
+        target 0); streams cut mid-answer, with an SSE `event: error` or silently; the requests
+        in flight on the killed replica at the kill (from the replicas' own request traces) and
+        what became of each; p50/p99 latency before the kill and in the failover window (kill
+        -> the replacement replica ready, else kill + 10 s); for the gateway its ejection of
+        the dead replica and the `replica.suspected.v1` events. nginx runs if it is on PATH,
+        vllm-router if installed (on PATH, in --peers-venv, or installed there by
+        --install-peers); otherwise each is skipped with the reason.
+
 Targets printed beside the results: detection <= 3 s; replacement <= detection + 2 s + the
-workload's start time. A benchmark that prints figures, not a test.
+workload's start time; through a proxy, 0 requests failed before the first byte and no stream
+cut silently. A benchmark that prints figures, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import datetime as dt
 import itertools
 import json
+import math
+import os
 import random
+import shlex
+import shutil
+import signal
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import aiohttp  # noqa: E402
+
+from bench._failover_clients import WORDS, read_load, read_traces  # noqa: E402
 from events.envelope import Envelope  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
-from tests.integration.stack import Stack, echo_spec, payload, pid_alive  # noqa: E402
+from tests.integration.stack import (  # noqa: E402
+    STACK_ENV,
+    Killed,
+    Stack,
+    echo_spec,
+    payload,
+    pid_alive,
+)
 
 DETECTION_TARGET_S = 3.0
 DECISION_BUDGET_S = 2.0  # replacement <= detection + this + the workload's start time
@@ -298,9 +337,721 @@ def _print_soak(r: dict[str, Any]) -> None:
     )
 
 
+# -- client-side failover through a proxy ---------------------------------------------------
+
+PROXIES = ("gateway", "nginx", "vllm-router")
+PACE = ("--ttft-ms", "20", "--tokens-per-s", "200")
+HELPER = ROOT / "bench" / "_failover_clients.py"
+WARMUP_S = 1.0  # the first second of load (connections opening) is left out of "before"
+WINDOW_FALLBACK_S = 10.0  # the failover window when no replacement became ready
+CLIENT_TIMEOUT_S = 10.0
+DEFAULT_PEERS_VENV = Path(tempfile.gettempdir()) / "gpumesh-peers-venv"
+
+
+@dataclass
+class _Proxy:
+    name: str
+    url: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    detail: str
+
+    def stop(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, sig)
+            try:
+                self.popen.wait(5)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _spawn(stack: Stack, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    # Marked like the stack's own processes, so that its teardown would reap a leftover.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", STACK_ENV: stack.marker}
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=log_path.parent,
+            start_new_session=True,
+        )
+
+
+def _nginx_binary() -> str | None:
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
+
+
+def _vllm_router_binary(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The vllm-router launcher, or None and why not."""
+    venv = Path(args.peers_venv) if args.peers_venv else None
+    if venv is not None and (venv / "bin" / "vllm-router").exists():
+        return str(venv / "bin" / "vllm-router"), f"from {venv}"
+    found = shutil.which("vllm-router")
+    if found:
+        return found, "on PATH"
+    if not args.install_peers:
+        return None, "not installed (give --peers-venv DIR or --install-peers)"
+    venv = venv or DEFAULT_PEERS_VENV
+    try:
+        if not (venv / "bin" / "pip").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+        subprocess.run(
+            [str(venv / "bin" / "pip"), "install", "-q", "vllm-router"],
+            check=True,
+            timeout=600,
+            capture_output=True,
+        )
+    except (subprocess.SubprocessError, OSError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        tail = detail.decode(errors="replace").strip().splitlines()[-1:] if detail else []
+        return None, f"pip install vllm-router failed: {exc} {' '.join(tail)}".strip()
+    return str(venv / "bin" / "vllm-router"), f"installed into {venv}"
+
+
+def _available(args: argparse.Namespace) -> dict[str, tuple[str | None, str]]:
+    """Per proxy asked for: its binary (None: skip) and a note."""
+    out: dict[str, tuple[str | None, str]] = {}
+    for name in args.proxies:
+        if name == "gateway":
+            out[name] = (sys.executable, "python -m gpumesh gateway")
+        elif name == "nginx":
+            binary = _nginx_binary()
+            out[name] = (binary, binary or "not on PATH (apt-get install nginx-light)")
+        elif name == "vllm-router":
+            out[name] = _vllm_router_binary(args)
+    return out
+
+
+def _traced_spec(trace_dir: Path) -> dict[str, Any]:
+    """echo_spec(3) run through the traced wrapper of the same echo workload (see
+    bench/_failover_clients.py): each answer names its replica, each request is traced."""
+    argv = [sys.executable, str(HELPER), "workload", "--port", "{port}", "--model", "{model}"]
+    argv += [*PACE, "--trace-dir", str(trace_dir)]
+    return {**echo_spec(REPLICAS), "command": shlex.join(argv)}
+
+
+def _start_gateway(stack: Stack, workdir: Path, binary: str) -> _Proxy:
+    port = _free_port()
+    log = workdir / "gateway.log"
+    argv = [
+        binary, "-m", "gpumesh", "gateway",
+        "--nats", stack.url,
+        "--listen", f"127.0.0.1:{port}",
+        "--data-dir", str(stack.root),
+        "--gateway-id", "gw-bench",
+        "--log-format", "json",
+        "--no-access-log",
+    ]  # fmt: skip
+    popen = _spawn(stack, argv, log)
+    return _Proxy("gateway", f"http://127.0.0.1:{port}", popen, log, "defaults, direct transport")
+
+
+NGINX_CONF = """\
+worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi; uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
+    upstream llm {{ {servers} keepalive 64; }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://llm; proxy_http_version 1.1; proxy_set_header Connection "";
+            proxy_next_upstream error timeout; proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def _start_nginx(stack: Stack, workdir: Path, binary: str, addresses: list[str]) -> _Proxy:
+    port = _free_port()
+    conf_dir = workdir / "nginx"
+    conf_dir.mkdir(parents=True, exist_ok=True)
+    servers = " ".join(f"server {a.removeprefix('http://')};" for a in addresses)
+    conf = conf_dir / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=conf_dir, servers=servers, port=port))
+    argv = [binary, "-p", str(conf_dir), "-e", str(conf_dir / "error.log"), "-c", str(conf)]
+    popen = _spawn(stack, argv, workdir / "nginx.log")
+    detail = "1 worker, keepalive 64, proxy_next_upstream error timeout (the peers' config)"
+    return _Proxy("nginx", f"http://127.0.0.1:{port}", popen, conf_dir / "error.log", detail)
+
+
+def _start_vllm_router(stack: Stack, workdir: Path, binary: str, addresses: list[str]) -> _Proxy:
+    port = _free_port()
+    log = workdir / "vllm-router.log"
+    argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
+    argv += ["--worker-urls", *addresses]
+    popen = _spawn(stack, argv, log)
+    detail = "round_robin, other settings default (retries 5, breaker 10 failures / 60 s)"
+    return _Proxy("vllm-router", f"http://127.0.0.1:{port}", popen, log, detail)
+
+
+async def _proxy_answers(proxy: _Proxy, timeout: float = 60.0) -> None:
+    """Until a chat completion through the proxy answers 200, several times in a row."""
+    body = {"model": "echo", "messages": [{"role": "user", "content": "ready"}]}
+    deadline = time.monotonic() + timeout
+    in_a_row = 0
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while in_a_row < 6:
+            if proxy.popen.poll() is not None:
+                tail = Stack.log_tail(proxy.log_path)
+                raise RuntimeError(f"{proxy.name} exited {proxy.popen.returncode}: {tail}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{proxy.name} did not answer within {timeout:g} s")
+            try:
+                async with session.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    in_a_row = in_a_row + 1 if resp.status == 200 else 0
+            except (aiohttp.ClientError, TimeoutError):
+                in_a_row = 0
+            await asyncio.sleep(0.05 if in_a_row else 0.2)
+
+
+async def _scrape(url: str) -> str:
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+            session.get(f"{url}/metrics") as resp,
+        ):
+            return await resp.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return ""
+
+
+def _metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """`name{labels} value` lines summed per name and `reason` label."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in names:
+            if line.startswith((name + "{", name + " ")):
+                labels, _, value = line.rpartition(" ")
+                reason = labels.partition('reason="')[2].partition('"')[0]
+                key = f"{name}:{reason}" if reason else name
+                with contextlib.suppress(ValueError):
+                    out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+def _log_events(path: Path, event: str) -> list[dict[str, Any]]:
+    """JSON log lines of one event, each with `at_ns` from its ISO timestamp."""
+    found = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text(errors="replace").splitlines():
+            if f'"{event}"' not in line:
+                continue
+            with contextlib.suppress(ValueError):
+                entry = json.loads(line)
+                stamp = dt.datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00"))
+                entry["at_ns"] = int(stamp.timestamp() * 1e9)
+                found.append(entry)
+    return found
+
+
+async def _sleep_until(wall_ns: int) -> None:
+    await asyncio.sleep(max(0.0, (wall_ns - time.time_ns()) / 1e9))
+
+
+def _cpu_sample(proxy_pid: int) -> tuple[float, float, float]:
+    """(monotonic s, the machine's busy CPU s, the proxy's CPU s over its process tree)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # less idle and iowait
+    parents: dict[int, int] = {}
+    cpu: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rindex(b")") + 2 :].split()
+        parents[int(name)] = int(rest[1])
+        cpu[int(name)] = int(rest[11]) + int(rest[12])  # utime + stime
+    tree, grew = {proxy_pid}, True
+    while grew:
+        more = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return time.monotonic(), busy / tick, sum(cpu.get(pid, 0) for pid in tree) / tick
+
+
+def _cpu_used(
+    start: tuple[float, float, float], end: tuple[float, float, float], requests: int
+) -> dict[str, float]:
+    elapsed = max(end[0] - start[0], 1e-9)
+    proxy = end[2] - start[2]
+    return {
+        "box_cores": round((end[1] - start[1]) / elapsed, 2),
+        "proxy_cores": round(proxy / elapsed, 2),
+        "proxy_us_per_request": round(proxy / max(requests, 1) * 1e6, 1),
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _ok(r: dict[str, Any]) -> bool:
+    return r["status"] == 200 and r["done"] and not r["error_event"]
+
+
+def _window(records: list[dict[str, Any]], start_ns: int, end_ns: int) -> dict[str, Any]:
+    """The requests that overlap [start, end) (ended after `start`, started before `end`), so
+    that one in flight at the kill counts in the failover window, never before it. The
+    windows below are cut so that each request falls in exactly one."""
+    inside = [r for r in records if r["end_ns"] > start_ns and r["start_ns"] < end_ns]
+    ok = [r for r in inside if _ok(r)]
+    lat = [r["latency_s"] * 1000 for r in ok]
+    ttft = [r["first_token_s"] * 1000 for r in ok if r["stream"] and r["first_token_s"]]
+    span = max((end_ns - start_ns) / 1e9, 1e-9)
+    return {
+        "span_s": round(span, 3),
+        "requests": len(inside),
+        "succeeded": len(ok),
+        "succeeded_per_s": round(len(ok) / span, 1),
+        "p50_ms": _pct(lat, 0.50),
+        "p99_ms": _pct(lat, 0.99),
+        "max_ms": max(lat, default=None),
+        "stream_ttft_p99_ms": _pct(ttft, 0.99),
+    }
+
+
+def _fate(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "unknown (id not seen by the client)"
+    if _ok(r):
+        return "answered"
+    if r["status"] != 200:
+        return f"failed before the first byte ({r['status'] or r['error'].split(':')[0]})"
+    if not r["stream"]:
+        return "truncated body"
+    return "cut, SSE error event" if r["error_event"] else "cut silently"
+
+
+def _analyse(
+    header: dict[str, int],
+    records: list[dict[str, Any]],
+    traces: dict[int, dict[str, Any]],
+    killed: Killed,
+    victim_port: int,
+    window_end_ns: int,
+) -> dict[str, Any]:
+    kill = killed.at_ns
+    ok = [r for r in records if _ok(r)]
+    early = [r for r in records if r["status"] != 200]
+    streams_cut = [r for r in records if r["stream"] and r["status"] == 200 and not _ok(r)]
+    truncated = [r for r in records if not r["stream"] and r["status"] == 200 and not _ok(r)]
+    by_id = {r["id"]: r for r in records}
+    victim_pids = {w.pid for w in killed.workloads}
+    in_flight: list[str] = []
+    for pid, trace in traces.items():
+        if pid in victim_pids:
+            in_flight += [
+                rid for rid, t in trace["starts"].items() if rid not in trace["ends"] and t <= kill
+            ]
+    fates: dict[str, int] = defaultdict(int)
+    for rid in in_flight:
+        fates[_fate(by_id.get(rid))] += 1
+    kinds: dict[str, int] = defaultdict(int)
+    for r in early:
+        kinds[str(r["status"]) if r["status"] else r["error"].split(":")[0]] += 1
+
+    def rel(rs: list[dict[str, Any]], key: str) -> list[float]:
+        return [round((r[key] - kill) / 1e9, 3) for r in rs]
+
+    return {
+        "load_s": round((header["ended_ns"] - header["started_ns"]) / 1e9, 2),
+        "sent": len(records),
+        "sent_streaming": sum(1 for r in records if r["stream"]),
+        "succeeded": len(ok),
+        "failed_before_first_byte": len(early),
+        "failed_before_first_byte_kinds": dict(kinds),
+        "failed_before_first_byte_start_rel_kill_s": rel(early, "start_ns"),
+        "streams_cut": len(streams_cut),
+        "streams_cut_error_event": sum(1 for r in streams_cut if r["error_event"]),
+        "streams_cut_silent": sum(1 for r in streams_cut if not r["error_event"]),
+        "streams_cut_before_first_token": sum(1 for r in streams_cut if r["chunks"] == 0),
+        "streams_cut_on_killed_replica": sum(1 for r in streams_cut if r["replica"] == victim_port),
+        "streams_cut_start_rel_kill_s": rel(streams_cut, "start_ns"),
+        "non_streaming_truncated": len(truncated),
+        "in_flight_on_killed_replica": len(in_flight),
+        "in_flight_fates": dict(fates),
+        "served_by_killed_replica_after_kill": sum(
+            1 for r in ok if r["replica"] == victim_port and r["end_ns"] > kill + 50_000_000
+        ),
+        "unmarked_answers": sum(1 for r in ok if r["replica"] is None),
+        "examples": [
+            {k: r[k] for k in ("id", "stream", "status", "error", "chunks", "replica", "tail")}
+            for r in (early + streams_cut + truncated)[:6]
+        ],
+        # before: ended between the warm-up and the kill; failover: in flight at the kill or
+        # started before the window's end; after: started after it.
+        "window_before": _window(
+            [r for r in records if r["end_ns"] <= kill],
+            header["started_ns"] + int(WARMUP_S * 1e9),
+            kill,
+        ),
+        "window_failover": _window(records, kill, window_end_ns),
+        "window_after": _window(
+            [r for r in records if r["start_ns"] >= window_end_ns],
+            window_end_ns,
+            header["ended_ns"],
+        ),
+    }
+
+
+async def _proxied_run(
+    name: str, binary: str, workdir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
+    trace_dir = workdir / "traces"
+    async with Stack(workdir / "stack", agents=args.agents) as stack:
+        await stack.create_cluster(_traced_spec(trace_dir))
+        cluster = await _serving(stack, REPLICAS)
+        replicas = cluster["replicas"]
+        per_node: dict[str, int] = defaultdict(int)
+        for r in replicas:
+            per_node[r["node_id"]] += 1
+        victim = next((r for r in replicas if per_node[r["node_id"]] == 1), replicas[0])
+        victim_port = int(victim["address"].rsplit(":", 1)[1])
+        addresses = [r["address"] for r in replicas]
+        if name == "gateway":
+            proxy = _start_gateway(stack, workdir, binary)
+        elif name == "nginx":
+            proxy = _start_nginx(stack, workdir, binary, addresses)
+        else:
+            proxy = _start_vllm_router(stack, workdir, binary, addresses)
+        try:
+            await _proxy_answers(proxy)
+            out = workdir / "load.jsonl"
+            start_at = time.time_ns() + 1_500_000_000  # the client process's imports
+            argv = [sys.executable, str(HELPER), "load", "--url", proxy.url]
+            argv += ["--clients", str(args.clients), "--seconds", f"{args.seconds:g}"]
+            argv += ["--timeout", f"{CLIENT_TIMEOUT_S:g}", "--start-at", str(start_at)]
+            argv += ["--out", str(out)]
+            load = _spawn(stack, argv, workdir / "load.log")
+            await _sleep_until(start_at)
+            cpu_start = _cpu_sample(proxy.popen.pid)
+            await _sleep_until(start_at + int(args.kill_at * 1e9))
+            killed = await stack.kill_agent(victim["node_id"], with_workloads=True)
+            await _sleep_until(start_at + int(args.seconds * 1e9))
+            cpu_end = _cpu_sample(proxy.popen.pid)
+            code = await asyncio.to_thread(load.wait, CLIENT_TIMEOUT_S + 60)
+            if code != 0:
+                raise RuntimeError(
+                    f"the load exited {code}: {Stack.log_tail(workdir / 'load.log')}"
+                )
+            metrics = await _scrape(proxy.url) if name == "gateway" else ""
+        finally:
+            proxy.stop()
+        rid, epoch = victim["replica_id"], victim["epoch"]
+        offline = next(
+            iter(
+                stack.events("node.health_changed.v1", node_id=victim["node_id"], state="offline")
+            ),
+            None,
+        )
+        try:
+            ready = await stack.wait_for_event(
+                "replica.ready.v1", replica_id=rid, epoch=epoch + 1, timeout=30
+            )
+        except AssertionError:
+            ready = None
+        suspected = stack.events("replica.suspected.v1")
+    header, records = read_load(workdir / "load.jsonl")
+    traces = read_traces(trace_dir)
+    kill = killed.at_ns
+    window_end = ready.recorded_at if ready is not None else kill + int(WINDOW_FALLBACK_S * 1e9)
+    window_end = min(window_end, header["ended_ns"])
+    result: dict[str, Any] = {
+        "proxy": name,
+        "proxy_setup": proxy.detail,
+        "clients": args.clients,
+        "seconds": args.seconds,
+        "kill_at_s": round((kill - header["started_ns"]) / 1e9, 3),
+        "victim_node": victim["node_id"],
+        "victim_replica": rid,
+        "victim_port": victim_port,
+        "replicas_killed": len(killed.workloads),
+        "detection_s": _s(offline.recorded_at - kill) if offline else None,
+        "replacement_s": _s(ready.recorded_at - kill) if ready else None,
+        "window_end": "replacement ready"
+        if ready is not None
+        else f"kill + {WINDOW_FALLBACK_S:g} s",
+        **_analyse(header, records, traces, killed, victim_port, window_end),
+        "cpu": _cpu_used(cpu_start, cpu_end, len(records)),
+        "suspected": [
+            {
+                "replica_id": payload(e)["replica_id"],
+                "reason": payload(e)["reason"],
+                "failures": payload(e).get("failures", 0),
+                "at_s": round(_s(e.recorded_at - kill), 3),
+            }
+            for e in suspected
+        ],
+    }
+    if name == "gateway":
+        result["ejections"] = [
+            {
+                "replica": e.get("replica"),
+                "reason": e.get("reason"),
+                "failures": e.get("failures"),
+                "at_s": round((e["at_ns"] - kill) / 1e9, 3),
+            }
+            for e in _log_events(proxy.log_path, "replica_ejected")
+        ]
+        result["gateway_metrics"] = _metric_sums(
+            metrics,
+            (
+                "gpumesh_gateway_retries_total",
+                "gpumesh_gateway_ejections_total",
+                "gpumesh_gateway_stream_errors_total",
+            ),
+        )
+    return result
+
+
+async def proxied(args: argparse.Namespace) -> dict[str, Any]:
+    available = _available(args)
+    runs: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    for name in args.proxies:
+        binary, note = available[name]
+        if binary is None:
+            skipped[name] = note
+            if not args.json:
+                print(f"{name}: skipped, {note}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="gpumesh-failover-proxies-") as tmp:
+        workdir = Path(args.keep) if args.keep else Path(tmp)
+        for i in range(args.runs):  # interleaved, so that a slow spell hits every proxy alike
+            for name in args.proxies:
+                binary, note = available[name]
+                if binary is None or name in skipped:
+                    continue
+                if not args.json:
+                    print(f"{name}, run {i + 1}/{args.runs} ({note}):", flush=True)
+                try:
+                    run = await _proxied_run(name, binary, workdir / f"{name}-{i + 1}", args)
+                except (RuntimeError, AssertionError, subprocess.TimeoutExpired) as exc:
+                    skipped[name] = f"failed: {str(exc).splitlines()[0]}"
+                    if not args.json:
+                        print(f"  {skipped[name]}", flush=True)
+                    continue
+                run["run"] = i + 1
+                runs.append(run)
+                if not args.json:
+                    _print_proxied(run)
+    return {
+        "mode": "proxied",
+        "clients": args.clients,
+        "streaming_clients": round(args.clients / 2),
+        "seconds": args.seconds,
+        "kill_at_s": args.kill_at,
+        "agents": args.agents,
+        "replicas": REPLICAS,
+        "workload": f"echo {' '.join(PACE)}, {WORDS}-word prompts",
+        "runs": runs,
+        "summary": _summarise(runs),
+        "skipped": skipped,
+    }
+
+
+def _summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per proxy: each run's counts side by side, medians of the rates and latencies."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["proxy"] for r in runs):
+        mine = [r for r in runs if r["proxy"] == name]
+
+        def each(key: str, rs: list[dict[str, Any]] = mine) -> list[Any]:
+            return [r[key] for r in rs]
+
+        def med(values: list[float | None]) -> float | None:
+            kept = [v for v in values if v is not None]
+            return statistics.median(kept) if kept else None
+
+        out[name] = {
+            "runs": len(mine),
+            "sent": each("sent"),
+            "succeeded": each("succeeded"),
+            "failed_before_first_byte": each("failed_before_first_byte"),
+            "streams_cut_error_event": each("streams_cut_error_event"),
+            "streams_cut_silent": each("streams_cut_silent"),
+            "in_flight_on_killed_replica": each("in_flight_on_killed_replica"),
+            "p99_before_ms": med([r["window_before"]["p99_ms"] for r in mine]),
+            "p99_failover_ms": med([r["window_failover"]["p99_ms"] for r in mine]),
+            "p50_before_ms": med([r["window_before"]["p50_ms"] for r in mine]),
+            "p50_failover_ms": med([r["window_failover"]["p50_ms"] for r in mine]),
+            "failover_window_s": med([r["window_failover"]["span_s"] for r in mine]),
+            "box_cores": med([r["cpu"]["box_cores"] for r in mine]),
+            "proxy_cores": med([r["cpu"]["proxy_cores"] for r in mine]),
+            "proxy_cpu_us_per_request": med([r["cpu"]["proxy_us_per_request"] for r in mine]),
+            "ejection_s": [
+                min((e["at_s"] for e in r.get("ejections", [])), default=None) for r in mine
+            ],
+        }
+    return out
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _print_proxied(r: dict[str, Any]) -> None:
+    b, f, a = r["window_before"], r["window_failover"], r["window_after"]
+    ok = 100.0 * r["succeeded"] / max(r["sent"], 1)
+    print(
+        f"  sent {r['sent']:,} ({r['sent_streaming']:,} streaming) in {r['load_s']:.1f} s, "
+        f"succeeded {r['succeeded']:,} ({ok:.2f} %)"
+    )
+    kinds = ", ".join(f"{n}x {k}" for k, n in r["failed_before_first_byte_kinds"].items())
+    print(
+        f"  failed before the first byte: {r['failed_before_first_byte']} (target 0)"
+        + (
+            f": {kinds}; started {_span(r['failed_before_first_byte_start_rel_kill_s'])}"
+            if kinds
+            else ""
+        )
+    )
+    print(
+        f"  streams cut mid-answer: {r['streams_cut']} ({r['streams_cut_error_event']} with an "
+        f"SSE error event, {r['streams_cut_silent']} silent; {r['streams_cut_before_first_token']} "
+        f"before the first token; {r['streams_cut_on_killed_replica']} on the killed replica)"
+        + (f", started {_span(r['streams_cut_start_rel_kill_s'])}" if r["streams_cut"] else "")
+    )
+    if r["non_streaming_truncated"]:
+        print(f"  non-streaming answers truncated after a 200: {r['non_streaming_truncated']}")
+    fates = ", ".join(f"{n} {k}" for k, n in sorted(r["in_flight_fates"].items()))
+    print(
+        f"  in flight on the killed replica ({r['victim_node']}, port {r['victim_port']}) at the "
+        f"kill: {r['in_flight_on_killed_replica']}" + (f": {fates}" if fates else "")
+    )
+    print(
+        f"  latency p50/p99 ms of the succeeded requests: ended before the kill "
+        f"{_ms(b['p50_ms'])}/{_ms(b['p99_ms'])} ({b['succeeded_per_s']:.0f}/s); failover window "
+        f"[kill, +{f['span_s']:.2f} s: {r['window_end']}] {_ms(f['p50_ms'])}/{_ms(f['p99_ms'])} "
+        f"({f['succeeded_per_s']:.0f}/s, max {_ms(f['max_ms'])}); after {_ms(a['p50_ms'])}/"
+        f"{_ms(a['p99_ms'])} ({a['succeeded_per_s']:.0f}/s)"
+    )
+    c = r["cpu"]
+    print(
+        f"  CPU during the load: the machine {c['box_cores']:.2f} cores busy of "
+        f"{os.cpu_count()}; {r['proxy']} {c['proxy_cores']:.2f} cores, "
+        f"{c['proxy_us_per_request']:,.0f} µs per request (streams and not, together)"
+    )
+    det, rep = r["detection_s"], r["replacement_s"]
+    print(
+        f"  control plane: offline after {det:.2f} s, replacement ready after {rep:.2f} s"
+        if det is not None and rep is not None
+        else f"  control plane: offline {det}, replacement {rep}"
+    )
+    if r["proxy"] == "gateway":
+        for e in r.get("ejections", []):
+            print(
+                f"  gateway ejected {e['replica']} at +{e['at_s']:.3f} s ({e['reason']}, "
+                f"{e['failures']} failures)"
+            )
+        for e in r["suspected"]:
+            print(
+                f"  replica.suspected.v1 {e['replica_id']} recorded at +{e['at_s']:.3f} s "
+                f"({e['reason']}, {e['failures']} failures)"
+            )
+        if not r["suspected"]:
+            print("  replica.suspected.v1: none recorded")
+        counters = []
+        for key, value in sorted(r.get("gateway_metrics", {}).items()):
+            name, _, reason = key.partition(":")
+            short = name.removeprefix("gpumesh_gateway_").removesuffix("_total")
+            counters.append(f"{short}{' ' + reason if reason else ''} {value:g}")
+        if counters:
+            print(f"  gateway counters: {', '.join(counters)}")
+    for ex in r["examples"][:3]:
+        print(
+            f"  e.g. {ex['id']} stream={ex['stream']} status={ex['status']} {ex['error']!r} "
+            f"chunks={ex['chunks']} tail={ex['tail'][-120:]!r}"
+        )
+
+
+def _span(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{min(values):+.2f}..{max(values):+.2f} s from the kill"
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    summary = result["summary"]
+    if not summary:
+        return
+
+    def per_run(values: list[Any]) -> str:
+        return " / ".join(str(v) for v in values)
+
+    print()
+    print(
+        f"{result['clients']} clients ({result['streaming_clients']} streaming), SIGKILL of 1 of "
+        f"{REPLICAS} replicas at {result['kill_at_s']:g} s of {result['seconds']:g} s; counts are "
+        "per run, latencies the median over runs"
+    )
+    print(
+        "| proxy | sent | succeeded | failed before 1st byte (target 0) | streams cut with "
+        "an error event | streams cut silently | in flight on the killed replica | "
+        "p99 before | p99 failover window | proxy CPU per request | box busy |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, s in summary.items():
+        sent = statistics.median(s["sent"])
+        rates = [100.0 * o / max(n, 1) for o, n in zip(s["succeeded"], s["sent"], strict=True)]
+        ok = statistics.median(rates)
+        print(
+            f"| {name} | {sent:,.0f} | {ok:.2f} % | {per_run(s['failed_before_first_byte'])} | "
+            f"{per_run(s['streams_cut_error_event'])} | {per_run(s['streams_cut_silent'])} | "
+            f"{per_run(s['in_flight_on_killed_replica'])} | {_ms(s['p99_before_ms'])} ms | "
+            f"{_ms(s['p99_failover_ms'])} ms | {_us(s['proxy_cpu_us_per_request'])} | "
+            f"{s['box_cores']:.2f} cores |"
+        )
+    for name, why in result["skipped"].items():
+        print(f"| {name} | skipped: {why} | | | | | | | | | |")
+    gateway = summary.get("gateway")
+    if gateway:
+        times = ", ".join(
+            "-" if t is None else f"+{t * 1000:.0f} ms" for t in gateway["ejection_s"]
+        )
+        print(f"gateway: dead replica ejected after {times} (kill -> `replica_ejected`)")
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f} µs"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=5, help="failover runs (default 5)")
+    parser.add_argument(
+        "--runs", type=int, default=None, help="failover runs (default 5; 1 with --clients)"
+    )
     parser.add_argument("--agents", type=int, default=None, help="default 4, or 20 with --soak")
     parser.add_argument("--soak", type=float, default=0.0, metavar="SECONDS")
     parser.add_argument("--seed", type=int, default=1, help="for the pause before each kill")
@@ -308,8 +1059,48 @@ def main() -> int:
         "--keep", metavar="DIR", help="keep the stacks' data and logs in this directory"
     )
     parser.add_argument("--json", action="store_true")
+    proxied_mode = parser.add_argument_group("client-side failover through a proxy")
+    proxied_mode.add_argument(
+        "--clients", type=int, default=0, help="concurrent clients, half streaming (turns it on)"
+    )
+    proxied_mode.add_argument("--seconds", type=float, default=20.0, help="load (default 20)")
+    proxied_mode.add_argument(
+        "--kill-at", type=float, default=5.0, help="s into the load (default 5)"
+    )
+    proxied_mode.add_argument(
+        "--proxies",
+        default=",".join(PROXIES),
+        help=f"comma-separated, of {', '.join(PROXIES)} (default all)",
+    )
+    proxied_mode.add_argument(
+        "--peers-venv", metavar="DIR", help="a virtual environment with vllm-router installed"
+    )
+    proxied_mode.add_argument(
+        "--install-peers",
+        action="store_true",
+        help=f"pip install vllm-router into --peers-venv (default {DEFAULT_PEERS_VENV})",
+    )
     args = parser.parse_args()
     configure_logging(level="warning", json=False, stream=sys.stderr)
+    if args.clients > 0:
+        args.agents = args.agents or 4
+        args.runs = args.runs or 1
+        args.proxies = [p.strip() for p in args.proxies.split(",") if p.strip()]
+        unknown = sorted(set(args.proxies) - set(PROXIES))
+        if unknown:
+            parser.error(f"--proxies: unknown {', '.join(unknown)}")
+        if not 0 < args.kill_at < args.seconds:
+            parser.error("--kill-at must fall inside --seconds")
+        result = asyncio.run(proxied(args))
+        if args.json:
+            print(json.dumps(result, indent=2))
+        else:
+            _print_table(result)
+        gateway = next((r for r in result["runs"] if r["proxy"] == "gateway"), None)
+        met = gateway is None or (
+            gateway["failed_before_first_byte"] == 0 and gateway["streams_cut_silent"] == 0
+        )
+        return 0 if met else 1
     if args.soak > 0:
         args.agents = args.agents or 20
         result = asyncio.run(soak(args))
@@ -319,6 +1110,7 @@ def main() -> int:
             _print_soak(result)
         return 0 if result["offline_verdicts"] == 0 else 1
     args.agents = args.agents or 4
+    args.runs = args.runs or 5
     if not args.json:
         _print_header(args.agents)
     result = asyncio.run(failover(args))
