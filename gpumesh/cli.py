@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway_cli.register(commands, [common])
 
+    from sim import cli as sim_cli
+
+    sim_cli.register(commands, [common])
+
     from . import up
 
     up.register(commands, [common])
@@ -102,6 +106,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from actors.nats_server import NatsServerError
     from actors.spec import SpecError
     from projections.projector import ReadModelError
+    from sim.scenario import ScenarioError
 
     return (
         EventStoreError,
@@ -111,6 +116,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         NatsServerError,
         SpecError,
         ReadModelError,
+        ScenarioError,
     )
 
 

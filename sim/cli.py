@@ -1,0 +1,247 @@
+"""`gpumesh sim run|fuzz|replay`: failure scenarios on virtual time, replayable by seed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from actors.cli import CommandFailed
+
+from .scenario import FaultPlan, Scenario, ScenarioError, load
+
+REPLAY_SHARE = 0.05  # of passing fuzz seeds, run twice: a difference is a determinism bug
+
+
+def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    sim = commands.add_parser(
+        "sim",
+        parents=list(parents),
+        help="run failure scenarios on virtual time (deterministic, by seed)",
+        description="The real controller, agents and gateway routing logic on a virtual-time "
+        "loop, with faults injected from a scenario file. The same seed gives the same run, "
+        "byte for byte.",
+    )
+    sub = sim.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
+
+    run = sub.add_parser("run", parents=list(parents), help="run one scenario with one seed")
+    run.add_argument("scenario", help="a TOML file, or a name in sim/scenarios/")
+    run.add_argument("--seed", type=int, default=1)
+    run.add_argument("--json", action="store_true", help="the result as JSON")
+    run.add_argument("--events-out", type=Path, metavar="FILE", help="write the event log (JSONL)")
+    run.add_argument(
+        "--record", type=Path, metavar="FILE", help="write a record `gpumesh sim replay` re-runs"
+    )
+    run.set_defaults(handler=run_command)
+
+    fuzz = sub.add_parser("fuzz", parents=list(parents), help="run many seeds until one fails")
+    fuzz.add_argument("scenario")
+    fuzz.add_argument("--seeds", type=int, default=100, help="how many seeds (default 100)")
+    fuzz.add_argument("--start", type=int, default=1, help="first seed (default 1)")
+    fuzz.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
+    fuzz.add_argument("--json", action="store_true")
+    fuzz.add_argument(
+        "--record", type=Path, metavar="FILE", help="where to write the failing run's record"
+    )
+    fuzz.set_defaults(handler=fuzz_command)
+
+    replay = sub.add_parser("replay", parents=list(parents), help="re-run a recorded run")
+    replay.add_argument("record", type=Path, help="a file written by `sim run --record`")
+    replay.add_argument("--json", action="store_true")
+    replay.set_defaults(handler=replay_command)
+
+
+def git_commit() -> str:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+            check=False,
+        )
+    except OSError:
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+def _scenario(name: str, faults: list[dict[str, Any]] | None = None) -> tuple[Path, Scenario]:
+    from .run import faults_from, find_scenario
+
+    path = find_scenario(name)
+    scenario = load(path)
+    if faults is not None:
+        scenario = scenario.with_faults(faults_from(faults))
+    return path, scenario
+
+
+def execute(name: str, seed: int, faults: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Run in this process (or a worker) and return the result as plain data."""
+    from .run import run_scenario
+
+    _, scenario = _scenario(name, faults)
+    result, _ = run_scenario(scenario, seed)
+    return result.to_json()
+
+
+async def run_command(args: argparse.Namespace) -> int:
+    from .run import render, run_scenario
+
+    try:
+        path, scenario = _scenario(args.scenario)
+    except ScenarioError as exc:
+        raise CommandFailed(str(exc)) from None
+    commit = git_commit()
+    print(f"gpumesh sim: scenario {path}, seed {args.seed}, commit {commit}", file=sys.stderr)
+    result, world = _in_thread(run_scenario, scenario, args.seed)
+    if args.events_out:
+        with args.events_out.open("wb") as out:
+            for envelope in world.store.read_all_now():
+                out.write(msgspec.json.encode(envelope) + b"\n")
+    if args.record:
+        _write_record(args.record, str(path), args.seed, commit, result.to_json())
+    if args.json:
+        print(json.dumps({"commit": commit, **result.to_json()}, indent=2, sort_keys=True))
+    else:
+        print(render(result, commit=commit))
+        if args.record:
+            print(f"\nreplay: gpumesh sim replay {args.record}")
+    return 0 if result.ok else 1
+
+
+async def replay_command(args: argparse.Namespace) -> int:
+    from .run import render
+
+    try:
+        record = json.loads(args.record.read_text())
+        name, seed, expected = record["scenario_file"], record["seed"], record["result"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise CommandFailed(f"{args.record}: not a run record ({exc})") from None
+    got = _in_thread(execute, name, seed, expected["faults"])
+    same = got == expected
+    if args.json:
+        print(json.dumps({"identical": same, "result": got}, indent=2, sort_keys=True))
+    else:
+        from .run import RunResult
+
+        print(render(RunResult(**got), commit=git_commit()))
+        recorded = record.get("commit", "?")
+        print(
+            f"\nreplay of {args.record} (recorded at commit {recorded}): "
+            + ("identical, byte for byte" if same else "DIFFERENT from the record")
+        )
+    return 0 if same else 1
+
+
+async def fuzz_command(args: argparse.Namespace) -> int:
+    try:
+        path, scenario = _scenario(args.scenario)
+    except ScenarioError as exc:
+        raise CommandFailed(str(exc)) from None
+    commit = git_commit()
+    seeds = list(range(args.start, args.start + args.seeds))
+    print(
+        f"gpumesh sim fuzz: {path}, seeds {seeds[0]}..{seeds[-1]}, {args.jobs} jobs, "
+        f"commit {commit}",
+        file=sys.stderr,
+    )
+    failing, checked, mismatched = _in_thread(_fuzz, str(path), seeds, args.jobs)
+    for seed in mismatched:
+        print(f"NONDETERMINISM: seed {seed} gave two different runs", file=sys.stderr)
+    if failing is None:
+        print(f"{checked} seeds passed ({len(seeds) - checked} not run); no violation")
+        return 1 if mismatched else 0
+    seed, result = failing
+    first = result["violations"][0]
+    print(f"seed {seed}: {first['invariant']} at t={first['at']:.3f}: {first['detail']}")
+    print("shrinking the fault schedule...", file=sys.stderr)
+    shrunk = _in_thread(_shrink, str(path), seed, result["faults"], first["invariant"])
+    record = args.record or Path(f"sim-{scenario.name}-seed{seed}.json")
+    final = _in_thread(execute, str(path), seed, shrunk)
+    _write_record(record, str(path), seed, commit, final)
+    print(f"shrunk from {len(result['faults'])} to {len(shrunk)} fault(s):")
+    for fault in shrunk:
+        print("  " + json.dumps({k: v for k, v in fault.items() if v is not None}, sort_keys=True))
+    print(f"replay: gpumesh sim replay {record}")
+    print(f"full run: gpumesh sim run {path} --seed {seed}")
+    return 1
+
+
+def _fuzz(
+    path: str, seeds: list[int], jobs: int
+) -> tuple[tuple[int, dict[str, Any]] | None, int, list[int]]:
+    """Run seeds until the first violation; re-run a share of passing seeds to compare."""
+    from .run import faults_from  # noqa: F401  (imported for workers' module cache)
+
+    checked = 0
+    mismatched: list[int] = []
+    failing: tuple[int, dict[str, Any]] | None = None
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        pending: dict[Future[dict[str, Any]], int] = {}
+        queue = list(seeds)
+        results: dict[int, dict[str, Any]] = {}
+        while (queue or pending) and failing is None:
+            while queue and len(pending) < max(1, jobs) * 2:
+                seed = queue.pop(0)
+                pending[pool.submit(execute, path, seed)] = seed
+            done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+            for future in sorted(done, key=lambda f: pending[f]):
+                seed = pending.pop(future)
+                result = future.result()
+                checked += 1
+                results[seed] = result
+                if result["violations"] and (failing is None or seed < failing[0]):
+                    failing = (seed, result)
+        for future in pending:
+            future.cancel()
+        passing = sorted(s for s, r in results.items() if not r["violations"])
+        again = passing[:: max(1, round(1 / REPLAY_SHARE))]
+        for seed, result in zip(again, pool.map(execute, [path] * len(again), again), strict=True):
+            if result != results[seed]:
+                mismatched.append(seed)
+    return failing, checked, mismatched
+
+
+def _shrink(
+    path: str, seed: int, faults: list[dict[str, Any]], invariant: str
+) -> list[dict[str, Any]]:
+    """Delta debugging, one fault at a time: drop each fault whose removal keeps the violation."""
+    current = list(faults)
+    changed = True
+    while changed and current:
+        changed = False
+        for i in range(len(current)):
+            trial = current[:i] + current[i + 1 :]
+            result = execute(path, seed, trial)
+            if any(v["invariant"] == invariant for v in result["violations"]):
+                current = trial
+                changed = True
+                break
+    return current
+
+
+def _write_record(
+    path: Path, scenario_file: str, seed: int, commit: str, result: dict[str, Any]
+) -> None:
+    record = {"scenario_file": scenario_file, "seed": seed, "commit": commit, "result": result}
+    path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def _in_thread(fn: Any, *args: Any) -> Any:
+    # The simulation runs its own (virtual-time) event loop; the CLI's loop must not be the
+    # running one in this thread while it does.
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn, *args).result()
+
+
+__all__ = ["FaultPlan", "register"]

@@ -1,0 +1,204 @@
+"""Applies a scenario's faults to a World at their virtual times, and undoes them.
+
+Victims are drawn from the run's seed when a fault fires, among the nodes that are healthy and
+powered at that moment, in sorted order, so a seed always picks the same ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from events.messages import Fault
+
+from .network import LinkFaults
+from .scenario import FaultPlan
+
+if TYPE_CHECKING:
+    from .world import SimNode, World
+
+Undo = Callable[[], None]
+
+
+class FaultRunner:
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.rng = world.derive("faults")
+        self._undo: list[tuple[float, str, Undo]] = []  # (when, what, undo)
+        self._background: list[asyncio.Task[None]] = []
+
+    async def run(self, faults: Sequence[FaultPlan], *, until: float) -> None:
+        for fault in faults:
+            await self._sleep_until(fault.at_s)
+            self._apply(fault)
+        await self._sleep_until(until)
+
+    async def _sleep_until(self, at: float) -> None:
+        while True:
+            due = sorted(u for u in self._undo if u[0] <= at)
+            if not due:
+                break
+            when, what, undo = due[0]
+            await asyncio.sleep(max(0.0, when - self.world.now()))
+            self._undo.remove((when, what, undo))
+            self.world.note(f"end    {what}")
+            undo()
+        await asyncio.sleep(max(0.0, at - self.world.now()))
+
+    def end_all(self) -> None:
+        """The faults stop: heal everything still in effect (liveness is judged after this)."""
+        for task in self._background:
+            task.cancel()
+        for _, what, undo in sorted(self._undo, key=lambda u: u[0]):
+            self.world.note(f"end    {what}")
+            undo()
+        self._undo.clear()
+
+    def _victims(self, fault: FaultPlan) -> list[SimNode]:
+        from .world import share
+
+        world = self.world
+        spec = fault.nodes
+        if not (spec.endswith("%") or spec.isdigit()):
+            names = [name.strip() for name in spec.split(",")]
+            return [world.nodes[name] for name in names if name in world.nodes]
+        up = [n for _, n in sorted(world.nodes.items()) if n.powered and not n.hung]
+        count = min(len(up), share(spec, len(world.nodes), self.rng))
+        order = list(range(len(up)))
+        self.rng.shuffle(order)
+        return [up[i] for i in sorted(order[:count])]
+
+    def _later(self, fault: FaultPlan, what: str, undo: Undo) -> None:
+        if fault.duration_s is not None:
+            self._undo.append((self.world.now() + fault.duration_s, what, undo))
+
+    def _apply(self, fault: FaultPlan) -> None:
+        world = self.world
+        kind = fault.kind
+        if kind == "controller_crash":
+            world.crash_controller()
+            world.checker.fault("controller_crash", None, world.now())
+            world.note("fault  controller_crash")
+            self._later(fault, "controller_crash (restarted)", world.start_controller)
+            return
+        if kind == "nats_outage":
+            world.network.outage(True)
+            for node in world.nodes.values():
+                node.commands.open.clear()
+            world.note("fault  nats_outage")
+
+            def back() -> None:
+                world.network.outage(False)
+                for node in world.nodes.values():
+                    if node.powered and not node.hung and not node.partitioned:
+                        node.commands.open.set()
+
+            self._later(fault, "nats_outage", back)
+            return
+        if kind == "churn":
+            self._background.append(world.spawn(self._churn(fault), "fault:churn"))
+            world.note(f"fault  churn ({fault.count} nodes every {fault.period_s:g} s)")
+            return
+        for node in self._victims(fault):
+            what = f"{kind} {node.node_id}"
+            world.note(f"fault  {what}")
+            world.checker.fault(kind, node, world.now())
+            self._node_fault(fault, node, what)
+
+    def _node_fault(self, fault: FaultPlan, node: SimNode, what: str) -> None:
+        world = self.world
+        net = world.network
+        kind = fault.kind
+        if kind == "power_loss":
+            world.power_off(node)
+            self._later(fault, what, lambda: world.power_on(node))
+        elif kind == "hang":
+            node.hung = True
+            net.isolate(node.node_id)
+            node.commands.open.clear()
+
+            def thaw() -> None:
+                node.hung = False
+                net.reconnect(node.node_id)
+                node.commands.open.set()
+
+            self._later(fault, what, thaw)
+        elif kind in ("partition", "one_way_partition"):
+            node.partitioned = kind == "partition"
+            if kind == "partition":
+                net.isolate(node.node_id)
+                node.commands.open.clear()
+            else:
+                net.partition([node.node_id], _others(world, node), one_way=True)
+
+            def heal() -> None:
+                node.partitioned = False
+                if kind == "partition":
+                    net.reconnect(node.node_id)
+                    node.commands.open.set()
+                else:
+                    net.heal()
+
+            self._later(fault, what, heal)
+        elif kind == "flap":
+            self._background.append(world.spawn(self._flap(fault, node), f"fault:{what}"))
+        elif kind == "slow":
+            node.slow_s = fault.latency_s
+            lag = LinkFaults(latency_s=(fault.latency_s, fault.latency_s * 1.5))
+            net.set_link(node.node_id, "*", lag)
+            net.set_link("*", node.node_id, lag)
+
+            def fast() -> None:
+                node.slow_s = 0.0
+                net.set_link(node.node_id, "*", LinkFaults())
+                net.set_link("*", node.node_id, LinkFaults())
+
+            self._later(fault, what, fast)
+        elif kind in ("thermal", "ecc", "driver"):
+            value = fault.value if kind == "thermal" else 1.0
+            node.probe.apply_fault(Fault(kind=kind, value=value))
+            self._later(fault, what, lambda: node.probe.apply_fault(Fault(kind="clear")))
+        elif kind == "crash_loop":
+            node.driver.exit_on_start = 1
+            for workload in node.driver.running():
+                workload.crash(1)
+
+            def cured() -> None:
+                node.driver.exit_on_start = None
+
+            self._later(fault, what, cured)
+
+    async def _flap(self, fault: FaultPlan, node: SimNode) -> None:
+        world = self.world
+        end = world.now() + (fault.duration_s or 60.0)
+        while world.now() < end:
+            node.partitioned = True
+            world.network.isolate(node.node_id)
+            await asyncio.sleep(fault.period_s)
+            node.partitioned = False
+            world.network.reconnect(node.node_id)
+            await asyncio.sleep(fault.period_s)
+
+    async def _churn(self, fault: FaultPlan) -> None:
+        world = self.world
+        end = world.now() + (fault.duration_s or 60.0)
+        while world.now() < end:
+            leaving = FaultPlan(at_s=0.0, kind="power_loss", nodes=str(fault.count))
+            for node in self._victims(leaving):
+                world.note(f"churn  {node.node_id} leaves")
+                world.checker.fault("churn", node, world.now())
+                world.power_off(node)
+            for _ in range(fault.count):
+                joined = world.add_node()
+                world.note(f"churn  {joined.node_id} joins")
+            await asyncio.sleep(fault.period_s)
+
+
+def _others(world: World, node: SimNode) -> list[str]:
+    return [
+        "controller",
+        "gateway",
+        "client",
+        *(n for n in sorted(world.nodes) if n != node.node_id),
+    ]

@@ -1,0 +1,258 @@
+"""The invariants a simulated run must keep, checked as it goes, and the timings it reports.
+
+Safety is checked at every step: each event is examined as it is committed (placements against
+the state just before them, stream versions), and each request the gateway sends is checked
+against the controller's record. Liveness, the rebuild and the command queue are checked once
+the faults have stopped and the world has settled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+import projections
+from actors.scheduler import RELEASED, eligible_gpus
+from events import (
+    Envelope,
+    NodeHealthChanged,
+    ReplicaPlaced,
+    ReplicaReady,
+)
+from events.messages import RouteEntry
+from projections import FleetState
+
+from .clock import SIM_EPOCH_NS
+
+if TYPE_CHECKING:
+    from .world import SimNode, World
+
+ROUTE_GRACE_S = 1.0  # a gateway's table may lag the controller by one publish: allow this much
+LIVENESS_S = 120.0  # after the faults stop, every cluster is whole again within this
+
+
+class Violation(NamedTuple):
+    at: float
+    invariant: str
+    detail: str
+
+
+@dataclass
+class _Pending:
+    kind: str
+    node_id: str
+    at: float
+    replicas: dict[str, int]  # replica -> epoch it had on the node when the fault struck
+    detected: bool = False
+
+
+@dataclass
+class Timings:
+    detection: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    replacement: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+
+class Checker:
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.state = FleetState()
+        self.violations: list[Violation] = []
+        self.timings = Timings()
+        self.events = 0
+        self._versions: dict[str, int] = {}
+        self._superseded: dict[tuple[str, int], float] = {}  # (replica, epoch) -> when
+        self._offline_since: dict[str, float] = {}
+        self._pending: list[_Pending] = []
+        self._caught_up = asyncio.Event()
+
+    # -- as the run goes -----------------------------------------------------------------
+
+    async def run(self) -> None:
+        async for envelope in self.world.store.subscribe(1):
+            self.check_event(envelope)
+
+    def check_event(self, envelope: Envelope) -> None:
+        self.events += 1
+        at = (envelope.recorded_at - SIM_EPOCH_NS) / 1e9
+        expected = self._versions.get(envelope.stream, 0) + 1
+        if envelope.version != expected:
+            self._violate(
+                at,
+                "contiguous_versions",
+                f"{envelope.stream}: version {envelope.version}, expected {expected}",
+            )
+        self._versions[envelope.stream] = envelope.version
+        payload = envelope.payload
+        if isinstance(payload, ReplicaPlaced):
+            self._check_placement(at, payload)
+            previous = self.state.replicas.replicas.get(payload.replica_id)
+            if previous is not None and previous.epoch < payload.epoch:
+                self._superseded[(payload.replica_id, previous.epoch)] = at
+        elif isinstance(payload, NodeHealthChanged):
+            if payload.state == "offline":
+                self._offline_since.setdefault(payload.node_id, at)
+            else:
+                self._offline_since.pop(payload.node_id, None)
+            if payload.state != "healthy":
+                for pending in self._pending:
+                    if pending.node_id == payload.node_id and not pending.detected:
+                        pending.detected = True
+                        self.timings.detection[pending.kind].append(at - pending.at)
+        elif isinstance(payload, ReplicaReady):
+            for pending in self._pending:
+                old = pending.replicas.get(payload.replica_id)
+                if old is not None and payload.epoch > old:
+                    del pending.replicas[payload.replica_id]
+                    self.timings.replacement[pending.kind].append(at - pending.at)
+        projections.apply(self.state, envelope)
+
+    def _check_placement(self, at: float, placed: ReplicaPlaced) -> None:
+        state = self.state
+        cluster = state.clusters.clusters.get(placed.cluster)
+        node = state.nodes.nodes.get(placed.node_id)
+        if cluster is None or node is None:
+            self._violate(
+                at,
+                "placement_fits",
+                f"{placed.replica_id} placed on unknown {'cluster' if cluster is None else 'node'}",
+            )
+            return
+        spec = cluster.spec
+        live = [
+            r
+            for r in state.replicas.replicas.values()
+            if r.status not in RELEASED and r.replica_id != placed.replica_id
+        ]
+        # Fit: the chosen GPUs exist, match the model and VRAM, and nobody else holds them.
+        gpus = {g.index: g for g in node.gpus}
+        taken = {i for r in live if r.node_id == node.node_id for i in r.gpu_indices}
+        for index in placed.gpu_indices:
+            gpu = gpus.get(index)
+            if gpu is None or index in taken:
+                self._violate(
+                    at,
+                    "placement_fits",
+                    f"{placed.replica_id} on {node.node_id} GPU {index}: "
+                    f"{'no such GPU' if gpu is None else 'already taken'}",
+                )
+            elif spec.gpu.models and gpu.model not in spec.gpu.models:
+                self._violate(
+                    at,
+                    "placement_fits",
+                    f"{placed.replica_id}: {gpu.model} is not one of {spec.gpu.models}",
+                )
+            elif gpu.vram_mib < spec.gpu.min_vram_mib:
+                self._violate(
+                    at,
+                    "placement_fits",
+                    f"{placed.replica_id}: {gpu.vram_mib} MiB < {spec.gpu.min_vram_mib}",
+                )
+        if len(placed.gpu_indices) != spec.gpu.count:
+            self._violate(
+                at,
+                "placement_fits",
+                f"{placed.replica_id}: {len(placed.gpu_indices)} GPUs, spec asks {spec.gpu.count}",
+            )
+        # Spread: a second replica of the cluster on this node only if no other node could.
+        ours = [r for r in live if r.cluster == placed.cluster]
+        if any(r.node_id == placed.node_id for r in ours):
+            holding = {r.node_id for r in ours}
+            for other in sorted(state.nodes.nodes):
+                if other in holding or other == placed.node_id:
+                    continue
+                if eligible_gpus(state.nodes.nodes[other], spec, live) is not None:
+                    self._violate(
+                        at,
+                        "spread",
+                        f"{placed.replica_id}: a second replica of {placed.cluster} on "
+                        f"{placed.node_id} while {other} had room",
+                    )
+                    break
+
+    def on_route(self, route: RouteEntry, now: float) -> None:
+        """The gateway is about to send a request to `route`."""
+        since = self._superseded.get((route.replica_id, route.epoch))
+        if since is not None and now - since > ROUTE_GRACE_S:
+            self._violate(
+                now,
+                "route_current_epoch",
+                f"request to {route.replica_id}@{route.epoch}, superseded at {since:.3f}",
+            )
+        offline = self._offline_since.get(route.node_id)
+        if offline is not None and now - offline > ROUTE_GRACE_S:
+            self._violate(
+                now,
+                "route_not_offline",
+                f"request to {route.replica_id} on {route.node_id}, offline since {offline:.3f}",
+            )
+
+    def fault(self, kind: str, node: SimNode | None, at: float) -> None:
+        if node is None:
+            return
+        replicas = {
+            r.replica_id: r.epoch
+            for r in self.state.replicas.replicas.values()
+            if r.node_id == node.node_id and r.status not in RELEASED
+        }
+        self._pending.append(_Pending(kind, node.node_id, at, replicas))
+
+    def _violate(self, at: float, invariant: str, detail: str) -> None:
+        self.violations.append(Violation(round(at, 6), invariant, detail))
+        self.world.note(f"VIOLATION {invariant}: {detail}")
+
+    # -- after the faults ----------------------------------------------------------------
+
+    async def finish(self) -> None:
+        world = self.world
+        now = world.now()
+        controller = world.controller
+        # Let the checker's own subscription catch up with the log.
+        while self.events < len(world.store.read_all_now()):  # noqa: ASYNC110 (no event for it)
+            await asyncio.sleep(0.01)
+        if controller is None:
+            self._violate(now, "liveness", "no controller is running at the end")
+            return
+        log = world.store.read_all_now()
+        upto = [e for e in log if e.position <= controller.live.position]
+        if projections.rebuild(upto) != controller.live.state:
+            self._violate(
+                now, "rebuild_equals_live", "a rebuild of the log differs from live state"
+            )
+        if self.state != projections.rebuild(log):
+            self._violate(now, "rebuild_equals_live", "the checker's fold differs from a rebuild")
+        live_state = controller.live.state
+        for node_id, node in sorted(world.nodes.items()):
+            view = live_state.nodes.nodes.get(node_id)
+            if not node.powered or view is None or view.health != "healthy":
+                continue
+            pending = world.queue.pending(node_id)
+            if pending:
+                ids = ", ".join(c.command_id for c in pending[:3])
+                self._violate(
+                    now,
+                    "no_command_lost",
+                    f"{node_id} is healthy but has {len(pending)} unconsumed: {ids}",
+                )
+        healthy = [
+            n for n in live_state.nodes.nodes.values() if n.health == "healthy" and not n.drained
+        ]
+        clusters = sorted(live_state.clusters.clusters.items())
+        demand = sum(c.spec.replicas * c.spec.gpu.count for _, c in clusters)
+        if demand > sum(len(n.gpus) for n in healthy):
+            return  # capacity does not allow every cluster to be whole: nothing to demand
+        for name, cluster in clusters:
+            desired = cluster.spec.replicas
+            ready = sum(
+                1
+                for r in live_state.replicas.replicas.values()
+                if r.cluster == name and r.status == "ready"
+            )
+            if ready < desired:
+                self._violate(
+                    now,
+                    "liveness",
+                    f"{name}: {ready}/{desired} ready {world.scenario.settle_s:g} s after "
+                    f"the faults stopped, with {len(healthy)} healthy nodes",
+                )

@@ -1,0 +1,367 @@
+"""A simulated world: the real controller, real agents and the gateway's real routing logic on
+virtual time, over a faulty in-memory network, with seeded client traffic and faults.
+
+Only what cannot exist here is faked: GPUs (FakeGpuProbe), workload processes (FakeDriver) and
+the HTTP hop to a replica (SimTransport, which answers from the fake workload's state). Every
+decision (health, placement, routing, retries, ejection) is made by production code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+
+from actors.command_queue import Delivery
+from actors.controller import Controller, ControllerConfig
+from actors.env import Bus, Env, RandomSource
+from events import ClusterSpec, GpuRequirement, MemoryEventStore, subjects
+from events.messages import ApiReply, Command, RouteEntry
+from gateway.dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
+from gateway.feed import RoutingFeed
+from gateway.retry import RetryPolicy
+from gateway.router import Router, RouterConfig
+from gateway.transport.base import ConnectFailed, FirstByteTimeout, UpstreamRequest
+from nodeagent.agent import Agent
+from nodeagent.config import AgentConfig
+from nodeagent.gpu import FakeGpuProbe
+from nodeagent.workload.fake import FakeDriver
+
+from .clock import SimClock
+from .commands import MemoryCommandQueue
+from .env import SeededStreams
+from .invariants import Checker
+from .network import SimNetwork
+from .scenario import Scenario
+
+SERVICE_TIME_S = (0.02, 0.2)  # a replica's answer time, drawn per request
+CONNECT_TIMEOUT_S = 1.0  # an unreachable node: the TCP connect gives up after this
+
+
+class GatedCommands:
+    """One node's view of the durable command queue: nothing is consumed while it is cut off
+    (JetStream is on the NATS server), and everything waiting arrives when it is back."""
+
+    def __init__(self, queue: MemoryCommandQueue, node_id: str) -> None:
+        self._queue = queue
+        self._node_id = node_id
+        self.open = asyncio.Event()
+        self.open.set()
+
+    async def send(self, node_id: str, command: Command) -> None:
+        await self._queue.send(node_id, command)
+
+    def consume(self, node_id: str) -> AsyncIterator[Delivery]:
+        return self._consume(node_id)
+
+    async def _consume(self, node_id: str) -> AsyncIterator[Delivery]:
+        async for delivery in self._queue.consume(node_id):
+            await self.open.wait()
+            yield delivery
+
+
+@dataclass
+class SimNode:
+    node_id: str
+    region: str
+    probe: FakeGpuProbe
+    driver: FakeDriver
+    commands: GatedCommands
+    bus: Any
+    agent: Agent | None = None
+    task: asyncio.Task[None] | None = None
+    powered: bool = True
+    hung: bool = False
+    partitioned: bool = False
+    slow_s: float = 0.0
+    incarnation: int = 0
+    index: int = 0
+
+
+@dataclass
+class RequestLog:
+    sent: int = 0
+    ok: int = 0
+    failed: dict[str, int] = field(default_factory=dict)
+
+
+class SimResponse:
+    status = 200
+    headers: Sequence[tuple[str, str]] = ()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        yield b"{}"
+
+    async def aclose(self) -> None:
+        return None
+
+
+class SimTransport:
+    """The HTTP hop to a replica, answered from the simulated node and its fake workload."""
+
+    name = "sim"
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+        self._rng = world.derive("transport")
+
+    async def open(self, route: RouteEntry, request: UpstreamRequest) -> SimResponse:
+        world = self._world
+        world.checker.on_route(route, world.now())
+        node = world.nodes.get(route.node_id)
+        if node is None or not node.powered:
+            await asyncio.sleep(0.001)  # refused at once: nothing listens there
+            raise ConnectFailed(route.replica_id, "connection refused")
+        if node.partitioned:
+            await asyncio.sleep(min(CONNECT_TIMEOUT_S, request.first_byte_timeout))
+            raise ConnectFailed(route.replica_id, "connect timed out")
+        port = int(route.address.rsplit(":", 1)[1])
+        workload = next((w for w in node.driver.running() if w.port == port), None)
+        if workload is None:
+            await asyncio.sleep(0.001)
+            raise ConnectFailed(route.replica_id, "connection refused")
+        service = self._rng.uniform(*SERVICE_TIME_S) + node.slow_s
+        if service > request.first_byte_timeout:
+            await asyncio.sleep(request.first_byte_timeout)
+            raise FirstByteTimeout(route.replica_id, "no first byte")
+        await asyncio.sleep(service)
+        return SimResponse()
+
+    async def close(self) -> None:
+        return None
+
+
+class World:
+    def __init__(self, scenario: Scenario, seed: int, *, log: Any = None) -> None:
+        self.scenario = scenario
+        self.seed = seed
+        self.derive = SeededStreams(seed)
+        self.log = log or structlog.get_logger("gpumesh.sim")
+        self.network = SimNetwork(self.derive("network"))
+        self.store = MemoryEventStore()
+        self.queue = MemoryCommandQueue()
+        self.nodes: dict[str, SimNode] = {}
+        self.requests: dict[str, RequestLog] = {}
+        self.timeline: list[str] = []
+        self.checker = Checker(self)
+        self.controller: Controller | None = None
+        self._controller_task: asyncio.Task[None] | None = None
+        self._tasks: asyncio.TaskGroup | None = None
+        self._node_counter = 0
+        self.router = Router(SimClock(), self.derive("router"), RouterConfig())
+        self.dispatcher = Dispatcher(
+            self.router,
+            RetryPolicy(first_byte_timeout_s=5.0, deadline_s=15.0, queue_timeout_s=5.0),
+            SimClock(),
+            self.derive("dispatch"),
+        )
+        self.transport = SimTransport(self)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def env(self, endpoint: str) -> Env:
+        return Env(
+            clock=SimClock(),
+            rng=self.derive(f"root:{endpoint}"),
+            store=self.store,
+            derive_rng=self.derive,
+            bus=self.network.endpoint(endpoint),
+            log=self.log.bind(process=endpoint),
+        )
+
+    def note(self, text: str) -> None:
+        line = f"{self.now():9.3f}  {text}"
+        self.timeline.append(line)
+
+    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+        assert self._tasks is not None
+        return self._tasks.create_task(coro, name=name)
+
+    # -- the run -------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[World]:
+        """The controller, the nodes, the gateway's routing feed and the checker, until the
+        block ends; every task belongs to one TaskGroup and is cancelled on the way out."""
+        async with asyncio.TaskGroup() as tasks:
+            self._tasks = tasks
+            self.start_controller()
+            assert self.controller is not None
+            await self.controller.ready.wait()
+            for _ in range(self.scenario.fleet.nodes):
+                self.add_node()
+            feed = RoutingFeed(
+                self.network.endpoint("gateway"), self.router, self.dispatcher, self.log
+            )
+            own = [
+                tasks.create_task(feed.run(), name="gateway-feed"),
+                tasks.create_task(self.checker.run(), name="checker"),
+            ]
+            try:
+                yield self
+            finally:
+                for task in own:
+                    task.cancel()
+                self.stop_all()
+
+    async def run(self) -> None:
+        """The scenario: deploys, traffic and faults on schedule, then settle and check."""
+        scenario = self.scenario
+        async with self.running():
+            jobs = [self.spawn(self._create_clusters(), "deploys")]
+            if scenario.rate_per_s > 0:
+                jobs += [
+                    self.spawn(self._traffic(c.name, c.at_s), f"traffic:{c.name}")
+                    for c in scenario.clusters
+                ]
+            from .faults import FaultRunner
+
+            faults = FaultRunner(self)
+            await faults.run(scenario.faults, until=scenario.duration_s)
+            self.note(f"faults over; settling {scenario.settle_s:g} s")
+            faults.end_all()
+            await asyncio.sleep(max(0.0, scenario.duration_s + scenario.settle_s - self.now()))
+            for job in jobs:
+                job.cancel()
+            await self.checker.finish()
+
+    def start_controller(self) -> None:
+        self.controller = Controller(self.env("controller"), self.queue, ControllerConfig())
+        self._controller_task = self.spawn(self.controller.run(), "controller")
+
+    def crash_controller(self) -> None:
+        if self._controller_task is not None:
+            self._controller_task.cancel()
+            self._controller_task = None
+
+    def stop_all(self) -> None:
+        self.crash_controller()
+        for node in self.nodes.values():
+            if node.task is not None:
+                node.task.cancel()
+
+    def add_node(self) -> SimNode:
+        index = self._node_counter
+        self._node_counter += 1
+        node_id = f"node-{index}"
+        regions = self.scenario.fleet.regions
+        probe = FakeGpuProbe.parse(
+            self.scenario.fleet.gpus, rng=self.derive(f"gpu:{node_id}"), node_id=node_id
+        )
+        node = SimNode(
+            node_id=node_id,
+            region=regions[index % len(regions)],
+            probe=probe,
+            driver=FakeDriver(),
+            commands=GatedCommands(self.queue, node_id),
+            bus=self.network.endpoint(node_id),
+            index=index,
+        )
+        self.nodes[node_id] = node
+        self.boot(node)
+        return node
+
+    def boot(self, node: SimNode) -> None:
+        """Start (or restart after power loss) the node's agent: a fresh process."""
+        node.incarnation += 1
+        node.powered = True
+        # Each incarnation gets its own port range: an old address never reaches a new process.
+        node.driver = FakeDriver(first_port=20_000 + 1000 * node.index + 50 * node.incarnation)
+        config = AgentConfig(node_id=node.node_id, region=node.region, address="127.0.0.1")
+        env = self.env(node.node_id)
+        node.agent = Agent(env, node.commands, node.probe, node.driver, config)
+        add = getattr(node.bus, "add_reconnect_callback", None)
+        if add is not None:
+            add(node.agent.on_reconnect)
+        node.task = self.spawn(node.agent.run(), f"agent:{node.node_id}:{node.incarnation}")
+
+    def power_off(self, node: SimNode) -> None:
+        # Cut the wire first: whatever the dying agent still tries to say never arrives.
+        self.network.isolate(node.node_id)
+        node.commands.open.clear()
+        node.powered = False
+        if node.task is not None:
+            node.task.cancel()
+            node.task = None
+        for workload in node.driver.running():
+            workload.crash(-9)  # SIGKILL with its agent: gone, no report from anyone
+
+    def power_on(self, node: SimNode) -> None:
+        self.network.reconnect(node.node_id)
+        node.commands.open.set()
+        self.boot(node)
+
+    async def _create_clusters(self) -> None:
+        api = self.network.endpoint("client")
+        for plan in sorted(self.scenario.clusters, key=lambda c: c.at_s):
+            await asyncio.sleep(max(0.0, plan.at_s - self.now()))
+            spec = ClusterSpec(
+                name=plan.name,
+                replicas=plan.replicas,
+                model=plan.name,
+                command="serve --port {port}",
+                gpu=GpuRequirement(
+                    models=(plan.gpu_model,) if plan.gpu_model else (), count=plan.gpu_count
+                ),
+            )
+            reply = await _api(api, "cluster.create", spec)
+            self.note(f"cluster {plan.name} created ({plan.replicas} replicas): {reply.ok}")
+
+    async def _traffic(self, cluster: str, start: float) -> None:
+        rng = self.derive(f"traffic:{cluster}")
+        log = self.requests.setdefault(cluster, RequestLog())
+        await asyncio.sleep(start + 1.0)  # clients come once the deploy was announced
+        async with asyncio.TaskGroup() as requests:
+            while True:
+                # Poisson arrivals (exponential gaps), drawn from the cluster's own stream.
+                gap = -math.log(1.0 - rng.random()) / self.scenario.rate_per_s
+                await asyncio.sleep(gap)
+                log.sent += 1
+                requests.create_task(self._request(cluster, log))
+
+    async def _request(self, cluster: str, log: RequestLog) -> None:
+        request = UpstreamRequest(
+            method="POST", path="/v1/chat/completions", headers=(), body=b"{}",
+            request_id="", first_byte_timeout=0.0,
+        )  # fmt: skip
+
+        async def attempt(route: RouteEntry, first_byte_timeout: float) -> SimResponse:
+            from dataclasses import replace
+
+            return await self.transport.open(
+                route, replace(request, first_byte_timeout=first_byte_timeout)
+            )
+
+        try:
+            route, _ = await self.dispatcher.run(cluster, attempt)
+        except (NoReadyReplica, AttemptsExhausted, UnknownCluster) as exc:
+            kind = type(exc).__name__
+            log.failed[kind] = log.failed.get(kind, 0) + 1
+            return
+        self.router.finished(route, "ok")
+        log.ok += 1
+
+
+async def _api(bus: Bus, verb: str, body: object) -> ApiReply:
+    for _ in range(30):
+        with contextlib.suppress(Exception):
+            reply = await bus.request(subjects.api(verb), msgspec.json.encode(body), timeout=5.0)
+            return msgspec.json.decode(reply.data, type=ApiReply)
+        await asyncio.sleep(1.0)
+    return ApiReply(ok=False, error=f"{verb}: no answer")
+
+
+def share(spec: str, population: int, rng: RandomSource) -> int:
+    """How many nodes a fault's `nodes` field names: "30%" of the population, or "2"."""
+    if spec.endswith("%"):
+        return max(1, math.floor(population * float(spec[:-1]) / 100 + 0.5))
+    return int(spec)
