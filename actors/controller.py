@@ -328,5 +328,10 @@ class Controller:
                 position=self.live.position,
                 routes=dict(self.live.state.routing.routes),
                 clusters=tuple(sorted(self.live.state.routing.live_clusters)),
+                models={
+                    view.spec.model: name
+                    for name, view in sorted(self.live.state.clusters.clusters.items())
+                    if view.spec.model and view.spec.model != name
+                },
             )
         )

@@ -129,6 +129,8 @@ class RoutingUpdate(
     # Every live cluster, with or without routes: a gateway tells "unknown cluster" (404) from
     # "no ready replica yet" (wait, then 503). Absent from controllers older than this field.
     clusters: tuple[str, ...] = ()
+    # The model name clients send -> its cluster, where a spec's `model` differs from its name.
+    models: dict[str, str] = {}
 
 
 class ReplicaSuspicion(

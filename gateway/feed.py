@@ -46,24 +46,32 @@ class RoutingFeed:
         self.dropped = 0  # undecodable messages on the routing subject
 
     async def run(self) -> None:
-        while True:
-            try:
-                subscription = await self._bus.subscribe(subjects.ROUTING)
-            except BusError as exc:
-                self._log.warning("routing_subscribe_failed", error=str(exc))
-                await asyncio.sleep(self._retry_s)
-                continue
-            try:
-                # Subscribed first, then asked: an update published in between is not lost.
-                async with asyncio.TaskGroup() as tasks:
-                    tasks.create_task(self._catch_up())
-                    async for msg in subscription:
-                        self._apply(msg)
-            except BusError as exc:
-                self._log.warning("routing_feed_lost", error=str(exc))
-                await asyncio.sleep(self._retry_s)
-            finally:
-                await subscription.unsubscribe()
+        add = getattr(self._bus, "add_reconnect_callback", None)
+        if add is not None:
+            add(self._on_reconnect)  # after an outage, ask at once rather than wait for a re-send
+        try:
+            while True:
+                try:
+                    subscription = await self._bus.subscribe(subjects.ROUTING)
+                except BusError as exc:
+                    self._log.warning("routing_subscribe_failed", error=str(exc))
+                    await asyncio.sleep(self._retry_s)
+                    continue
+                try:
+                    # Subscribed first, then asked: an update published in between is not lost.
+                    async with asyncio.TaskGroup() as tasks:
+                        tasks.create_task(self._catch_up())
+                        async for msg in subscription:
+                            self._apply(msg)
+                except BusError as exc:
+                    self._log.warning("routing_feed_lost", error=str(exc))
+                    await asyncio.sleep(self._retry_s)
+                finally:
+                    await subscription.unsubscribe()
+        finally:
+            remove = getattr(self._bus, "remove_reconnect_callback", None)
+            if remove is not None:
+                remove(self._on_reconnect)
 
     async def catch_up(self) -> None:
         """Ask the controller for the table now (start-up, and after a reconnect)."""
@@ -75,6 +83,12 @@ class RoutingFeed:
         if not answer.ok:
             raise BusError(f"routing.get refused: {answer.error}")
         self._install(msgspec.convert(answer.data, RoutingUpdate))
+
+    async def _on_reconnect(self) -> None:
+        try:
+            await self.catch_up()
+        except (BusError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._log.info("routing_catch_up_pending", error=str(exc))
 
     async def _catch_up(self) -> None:
         while not self.ready.is_set():

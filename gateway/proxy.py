@@ -27,7 +27,7 @@ from .router import Router
 from .transport.base import (
     HOP_BY_HOP,
     FirstByteTimeout,
-    ResetBeforeHead,
+    Outcome,
     StreamBroken,
     Transport,
     UpstreamError,
@@ -69,6 +69,7 @@ class ProxySettings:
     # A non-streaming answer up to this size is read whole before the client sees a byte, so a
     # replica that dies mid-body is retried instead of truncating the answer.
     buffer_limit: int = 8 * 1024 * 1024
+    body_timeout_s: float = 600.0  # a whole non-streaming answer, from arrival
     access_log: bool = True
 
 
@@ -78,6 +79,11 @@ class _Answer:
     buffered: list[bytes]
     complete: bool  # the whole body is in `buffered`
     event_stream: bool
+
+
+def _with_id(response: web.Response, request_id: str) -> web.Response:
+    response.headers["X-Request-Id"] = request_id
+    return response
 
 
 def openai_error(status: int, message: str, code: str, **headers: str) -> web.Response:
@@ -146,7 +152,7 @@ class Proxy:
             return denied
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "gpumesh"}
-            for name in self.router.clusters()
+            for name in self.router.models()
         ]
         return web.Response(
             body=_ERROR.encode({"object": "list", "data": data}), content_type="application/json"
@@ -208,7 +214,9 @@ class Proxy:
             nonlocal attempts, last_failure
             attempts += 1
             if attempts > 1:
-                self.instruments.retry(cluster, last_failure)
+                # No failure seen here means the dispatcher's own first-byte guard fired.
+                self.instruments.retry(label, last_failure or "first_byte_timeout")
+                last_failure = ""
             try:
                 return await self._attempt(
                     route, replace(upstream, first_byte_timeout=first_byte_timeout)
@@ -221,43 +229,97 @@ class Proxy:
 
         status = 0
         route: RouteEntry | None = None
+        label = cluster  # the metrics label: only names the routing table knows
         try:
-            try:
-                route, answer = await self.dispatcher.run(cluster, attempt, key=key)
-            except _TooLarge as exc:
-                status = 413
-                return openai_error(413, str(exc), "too_large")
-            except UnknownCluster:
-                known = ", ".join(self.router.clusters()) or "none"
-                status = 404
-                return openai_error(
-                    404,
-                    f"The model `{cluster}` does not exist (known: {known})",
-                    "model_not_found",
-                )
-            except NoReadyReplica as exc:
+            if self.router.position == 0:
                 status = 503
-                return openai_error(
-                    503,
-                    f"cluster {cluster!r} has no ready replica",
-                    "no_ready_replica",
-                    **{"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
+                return _with_id(
+                    openai_error(
+                        503,
+                        "the gateway has not received a routing table yet",
+                        "not_ready",
+                        **{"Retry-After": "1"},
+                    ),
+                    request_id,
                 )
-            except AttemptsExhausted as exc:
-                timed_out = isinstance(exc.last, FirstByteTimeout)
-                status = 504 if timed_out else 502
-                return openai_error(
-                    status,
-                    f"no replica of {cluster!r} answered after {exc.attempts} attempt(s); "
-                    f"last: {exc.last}",
-                    exc.last.outcome,
-                )
-            self.instruments.first_byte(cluster, loop.time() - started)
-            status = answer.response.status
-            return await self._respond(request, cluster, route, answer, request_id)
+            cluster = self.router.resolve(cluster)
+            label = cluster if self.router.known(cluster) else "unknown"
+            broken: StreamBroken | None = None
+            for _ in range(self.dispatcher.policy.max_attempts):
+                try:
+                    route, answer = await self.dispatcher.run(cluster, attempt, key=key)
+                except _TooLarge as exc:
+                    status = 413
+                    return _with_id(openai_error(413, str(exc), "too_large"), request_id)
+                except UnknownCluster:
+                    known = ", ".join(self.router.models()) or "none"
+                    status = 404
+                    return _with_id(
+                        openai_error(
+                            404,
+                            f"The model `{cluster}` does not exist (known: {known})",
+                            "model_not_found",
+                        ),
+                        request_id,
+                    )
+                except NoReadyReplica as exc:
+                    status = 503
+                    return _with_id(
+                        openai_error(
+                            503,
+                            f"cluster {cluster!r} has no ready replica",
+                            "no_ready_replica",
+                            **{"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
+                        ),
+                        request_id,
+                    )
+                except AttemptsExhausted as exc:
+                    timed_out = isinstance(exc.last, FirstByteTimeout)
+                    status = 504 if timed_out else 502
+                    return _with_id(
+                        openai_error(
+                            status,
+                            f"no replica of {cluster!r} answered after {exc.attempts} "
+                            f"attempt(s); last: {exc.last}",
+                            exc.last.outcome,
+                        ),
+                        request_id,
+                    )
+                self.instruments.first_byte(label, loop.time() - started)
+                if not answer.event_stream:
+                    try:
+                        await self._buffer(answer, started)
+                    except StreamBroken as exc:
+                        # Nothing reached the client yet: another replica can answer in full.
+                        broken = exc
+                        last_failure = exc.outcome
+                        self._finish(route, "stream_broken")
+                        continue
+                    except TimeoutError:
+                        self._finish(route, "first_byte_timeout")
+                        await answer.response.aclose()
+                        status = 504
+                        return _with_id(
+                            openai_error(
+                                504,
+                                f"the answer was not complete within "
+                                f"{self.settings.body_timeout_s:g} s",
+                                "timeout",
+                            ),
+                            request_id,
+                        )
+                status = answer.response.status
+                return await self._respond(request, label, route, answer, request_id)
+            status = 502
+            return _with_id(
+                openai_error(
+                    502, f"every answer broke off before its end; last: {broken}", "reset"
+                ),
+                request_id,
+            )
         finally:
             elapsed = loop.time() - started
-            self.instruments.request(cluster, status, elapsed)
+            self.instruments.request(label, status, elapsed)
             if self.settings.access_log:
                 self.log.info(
                     "request",
@@ -271,35 +333,36 @@ class Proxy:
                     duration_ms=round(elapsed * 1000, 2),
                 )
 
+    def _finish(self, route: RouteEntry, outcome: Outcome) -> None:
+        ejection = self.router.finished(route, outcome)
+        if ejection is not None:
+            self.dispatcher.on_ejection(ejection)
+
     async def _attempt(self, route: RouteEntry, upstream: UpstreamRequest) -> _Answer:
         response = await self.transport.open(route, upstream)
         if response.status >= 500:
             await response.aclose()
             raise UpstreamStatus(route.replica_id, response.status)
         event_stream = _is_event_stream(response.headers)
-        if event_stream:
-            return _Answer(response, [], complete=False, event_stream=True)
-        # Not a stream: read it whole while a failure can still be retried.
-        buffered: list[bytes] = []
+        return _Answer(response, [], complete=False, event_stream=event_stream)
+
+    async def _buffer(self, answer: _Answer, started: float) -> None:
+        """Read a non-streaming answer whole before the client sees a byte, so that a replica
+        dying mid-body is retried elsewhere. Bounded by `body_timeout_s` from arrival, not by
+        the first-byte timeout: a long generation is not a hung replica."""
+        left = self.settings.body_timeout_s - (asyncio.get_running_loop().time() - started)
         size = 0
-        chunks = response.chunks()
         try:
-            async with asyncio.timeout(upstream.first_byte_timeout):
-                async for chunk in chunks:
-                    buffered.append(chunk)
+            async with asyncio.timeout(max(0.0, left)):
+                async for chunk in answer.response.chunks():
+                    answer.buffered.append(chunk)
                     size += len(chunk)
                     if size > self.settings.buffer_limit:
-                        return _Answer(response, buffered, complete=False, event_stream=False)
-        except StreamBroken as exc:
-            await response.aclose()
-            raise ResetBeforeHead(route.replica_id, f"body broke off: {exc.detail}") from exc
-        except TimeoutError as exc:
-            await response.aclose()
-            raise FirstByteTimeout(
-                route.replica_id,
-                f"body not complete within {upstream.first_byte_timeout:g} s",
-            ) from exc
-        return _Answer(response, buffered, complete=True, event_stream=False)
+                        return  # too big to hold: the rest is streamed
+        except StreamBroken:
+            await answer.response.aclose()
+            raise
+        answer.complete = True
 
     async def _respond(
         self,
@@ -312,7 +375,7 @@ class Proxy:
         upstream = answer.response
         headers = [(k, v) for k, v in upstream.headers if k.lower() != "x-request-id"]
         if answer.complete:
-            self.router.finished(route, "ok")
+            self._finish(route, "ok")
             response = web.Response(status=upstream.status, body=b"".join(answer.buffered))
             _copy_headers(response, headers, request_id)
             return response

@@ -100,6 +100,7 @@ class Router:
         self._changed = 0
         self._routes: dict[str, tuple[RouteEntry, ...]] = {}
         self._known: frozenset[str] = frozenset()
+        self._models: dict[str, str] = {}
         self._stats: dict[StatsKey, ReplicaStats] = {}
         self._cluster_of: dict[StatsKey, str] = {}
         self._current: dict[str, StatsKey] = {}  # replica_id -> its routed (replica_id, epoch)
@@ -118,7 +119,8 @@ class Router:
         self._position = update.position
         routes = _normalise(dict(update.routes))
         known = frozenset(update.clusters) | frozenset(routes)
-        if routes == self._routes and known == self._known:
+        models = {m: c for m, c in update.models.items() if c in known}
+        if routes == self._routes and known == self._known and models == self._models:
             return False  # the controller's periodic re-send
         for cluster in set(self._rings):
             old_ids = [e.replica_id for e in self._routes.get(cluster, ())]
@@ -135,7 +137,7 @@ class Router:
                 stats[key] = held if held is not None else ReplicaStats()
                 cluster_of[key] = cluster
                 current[entry.replica_id] = key
-        self._routes, self._known = routes, known
+        self._routes, self._known, self._models = routes, known, models
         self._stats, self._cluster_of, self._current = stats, cluster_of, current
         self._changed += 1
         return True
@@ -143,8 +145,17 @@ class Router:
     def known(self, cluster: str) -> bool:
         return cluster in self._known
 
+    def resolve(self, model: str) -> str:
+        """The cluster serving `model`: a spec's `model` name, else the cluster's own name."""
+        return self._models.get(model, model)
+
     def clusters(self) -> list[str]:
         return sorted(self._known)
+
+    def models(self) -> list[str]:
+        """What /v1/models lists: each cluster's model name (its own name unless it set one)."""
+        renamed = {cluster: model for model, cluster in self._models.items()}
+        return sorted(renamed.get(cluster, cluster) for cluster in self._known)
 
     def routes(self, cluster: str) -> tuple[RouteEntry, ...]:
         return self._routes.get(cluster, ())

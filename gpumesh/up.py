@@ -123,7 +123,8 @@ async def run_up(args: argparse.Namespace) -> int:
                 await stop.wait()
                 say("stopping: the gateway, the agents (they stop their workloads), the controller")
                 if gw is not None:
-                    gw.cancel()
+                    gw.cancel()  # it stops accepting and drains in-flight requests (10 s)
+                    await asyncio.wait({gw})
                 await _stop_agents(agents)
                 ctl.cancel()
         finally:

@@ -64,8 +64,13 @@ class DirectResponse:
 class DirectTransport:
     name = "direct"
 
-    def __init__(self, *, connect_timeout: float = 2.0, pool_per_host: int = 0) -> None:
+    def __init__(
+        self, *, connect_timeout: float = 2.0, pool_per_host: int = 0, idle_timeout: float = 60.0
+    ) -> None:
         self._connect_timeout = connect_timeout
+        # A replica that goes silent this long mid-answer (power loss, partition: no RST ever
+        # comes) breaks the stream instead of hanging it forever. Same default as the overlay.
+        self._idle_timeout = idle_timeout
         self._pool_per_host = pool_per_host
         self._session: aiohttp.ClientSession | None = None
 
@@ -79,7 +84,9 @@ class DirectTransport:
                 connector=connector,
                 auto_decompress=False,  # pass bytes through as the replica sent them
                 skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._connect_timeout),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self._connect_timeout, sock_read=self._idle_timeout
+                ),
             )
         return self._session
 

@@ -51,12 +51,18 @@ class RoutingSource:
         reply = ApiReply(ok=True, data=msgspec.to_builtins(self.update))
         await self.bus.publish(msg.reply, msgspec.json.encode(reply))
 
-    async def publish(self, routes: dict[str, list[RouteEntry]], *clusters: str) -> None:
+    async def publish(
+        self,
+        routes: dict[str, list[RouteEntry]],
+        *clusters: str,
+        models: dict[str, str] | None = None,
+    ) -> None:
         names = tuple(sorted({*routes, *clusters}))
         self.update = RoutingUpdate(
             position=self.update.position + 1,
             routes={c: tuple(r) for c, r in routes.items() if r},
             clusters=names,
+            models=models or {},
         )
         await self.bus.publish(subjects.ROUTING, msgspec.json.encode(self.update))
 
@@ -119,6 +125,23 @@ class Upstream:
             await asyncio.sleep(3600)
         if self.mode == "error":
             return web.json_response({"error": "boom"}, status=500)
+        if self.mode in ("slowbody", "cutbody"):
+            # The head at once, the body later (a long generation) or never (a crash).
+            payload = b'{"id": "chatcmpl-%s", "choices": []}' % self.name.encode()
+            response = web.StreamResponse(
+                headers={"Content-Type": "application/json", "X-Upstream": self.name}
+            )
+            response.content_length = len(payload)
+            await response.prepare(request)
+            await response.write(payload[:5])
+            if self.mode == "cutbody":
+                assert request.transport is not None
+                request.transport.abort()
+                return response
+            await asyncio.sleep(0.5)
+            await response.write(payload[5:])
+            await response.write_eof()
+            return response
         words = str(body.get("messages", [{}])[-1].get("content", "")).split() or ["ok"]
         if not body.get("stream"):
             return web.json_response(

@@ -471,3 +471,54 @@ async def test_a_body_the_overlay_cannot_carry_is_413_not_a_retry_storm(
                 assert resp.status == 413
                 assert "exceeds" in (await resp.json())["error"]["message"]
         assert not any(gw.router.is_ejected(u.name) for u in upstreams)
+
+
+async def test_a_spec_model_name_routes_to_its_cluster(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    await source.publish(
+        {"llama": [route("u0", upstreams[0].address)]}, models={"llama-3-8b": "llama"}
+    )
+    async with gateway() as gw:
+        body = {**CHAT, "model": "llama-3-8b"}
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200 and resp.headers["X-Upstream"] == "u0"
+        async with http.get(f"{gw.url}/v1/models") as resp:
+            assert [m["id"] for m in (await resp.json())["data"]] == ["llama-3-8b"]
+
+
+async def test_before_any_routing_table_it_is_503_not_404(
+    bus: NatsBus, gateway: StartGateway, source: RoutingSource, http: aiohttp.ClientSession
+) -> None:
+    # The source answers with position 0: no table yet.
+    async with gateway() as gw, http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+        assert resp.status == 503
+        assert resp.headers["Retry-After"] == "1"
+        assert resp.headers["X-Request-Id"]
+        assert (await resp.json())["error"]["code"] == "not_ready"
+
+
+async def test_a_long_answer_is_not_a_hung_replica_and_a_cut_one_is_retried(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    upstreams[0].mode = "slowbody"  # head at once, the rest after 0.5 s
+    upstreams[1].mode = "cutbody"  # head, five bytes, then the connection dies
+    retry = RetryPolicy(first_byte_timeout_s=0.2)
+    config = GatewayConfig(gateway_id="gw-test", port=0, retry=retry)
+    await source.publish({"llama": [route("u1", upstreams[1].address)]})
+    async with gateway(config) as gw:
+        await source.publish({"llama": [route(u.name, u.address) for u in upstreams[:2]]})
+        await until(lambda: len(gw.router.routes("llama")) == 2)
+        for _ in range(4):
+            async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["id"] == "chatcmpl-u0"
+        assert not gw.router.is_ejected("u0")
