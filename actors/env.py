@@ -117,6 +117,21 @@ class NoBus:
         raise RuntimeError("this Env has no bus")
 
 
+def never(site: str) -> bool:
+    """Production's fault-injection switch: no site ever misbehaves."""
+    return False
+
+
+# Named fault-injection sites (FoundationDB's BUGGIFY): code asks `env.buggify(site)` and, only
+# under the simulator, misbehaves when it says so. Each name is documented in
+# docs/simulation.md; the simulator decides per run (from the seed) which sites are on.
+BUGGIFY_SITES = (
+    "agent.heartbeat.late",  # a heartbeat goes out most of an interval late (a stalled host)
+    "agent.report.lost",  # a replica report is not sent (the heartbeat must carry the news)
+    "controller.reconcile.skip",  # a periodic reconcile pass is skipped
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Env:
     """Everything nondeterministic an actor may touch, injected.
@@ -131,6 +146,7 @@ class Env:
     derive_rng: Callable[[str], RandomSource]
     bus: Bus = field(default_factory=NoBus)
     log: Any = field(default_factory=lambda: structlog.get_logger("gpumesh"))
+    buggify: Callable[[str], bool] = never
 
     def new_id(self) -> str:
         """A time-ordered UUIDv7 from the injected clock and random source."""

@@ -213,6 +213,8 @@ class Agent:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
+            if self._env.buggify("agent.heartbeat.late"):
+                await asyncio.sleep(0.8 * self.heartbeat_interval)
             await self._heartbeat_once()
             # Scheduled on a grid, so a slow probe does not make the interval drift; beats
             # missed while the loop was stalled are skipped, not sent in a burst.
@@ -249,6 +251,8 @@ class Agent:
     # Reports.
 
     async def _report(self, state: ReplicaState) -> None:
+        if self._env.buggify("agent.report.lost"):
+            return  # as if lost on the wire: the next heartbeat carries the state
         report = ReplicaReport(node_id=self.config.node_id, replica=state)
         await self._publish(subjects.report(self.config.node_id), report)
 

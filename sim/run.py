@@ -38,6 +38,7 @@ class RunResult:
     violations: list[dict[str, Any]]
     timeline: list[str]
     faults: list[dict[str, Any]] = field(default_factory=list)
+    buggified: dict[str, int] = field(default_factory=dict)  # site -> times it misbehaved
 
     @property
     def ok(self) -> bool:
@@ -112,6 +113,7 @@ def summarize(world: World) -> RunResult:
         violations=[v._asdict() for v in checker.violations],
         timeline=list(world.timeline),
         faults=[asdict(f) for f in world.scenario.faults],
+        buggified=dict(sorted(world.buggify.fired.items())),
     )
 
 
@@ -157,6 +159,9 @@ def render(result: RunResult, *, commit: str = "") -> str:
             f"({a['ok']}/{a['sent']} requests; failed: {failed})"
         )
     lines.append(f"  requests failed: {result.requests_failed}")
+    if result.buggified:
+        fired = ", ".join(f"{site} x{n}" for site, n in result.buggified.items())
+        lines.append(f"  buggify fired: {fired}")
     for title, table in (("detection", result.detection), ("replacement", result.replacement)):
         for kind, t in table.items():
             lines.append(

@@ -2,6 +2,7 @@
 
     name = "power-outage"
     duration_s = 300            # virtual seconds of the run (faults stop by then)
+    buggify = false             # true: the code's named fault sites misbehave (seed-chosen)
     settle_s = 120              # then this long with no fault: liveness is checked at the end
 
     [fleet]
@@ -98,6 +99,7 @@ class Scenario:
     clusters: tuple[ClusterPlan, ...] = ()
     rate_per_s: float = 0.0
     faults: tuple[FaultPlan, ...] = ()
+    buggify: bool = False  # turn on a seed-chosen share of the code's fault-injection sites
 
     def with_faults(self, faults: tuple[FaultPlan, ...]) -> Scenario:
         from dataclasses import replace
@@ -120,7 +122,7 @@ def load(path: Path) -> Scenario:
 
 def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scenario:
     _only(raw, "", {"name", "description", "duration_s", "settle_s", "fleet", "clusters",
-                    "traffic", "faults"})  # fmt: skip
+                    "traffic", "faults", "buggify"})  # fmt: skip
     fleet_raw = _table(raw, "fleet")
     _only(fleet_raw, "fleet.", {"nodes", "gpus", "regions"})
     fleet = Fleet(
@@ -162,6 +164,7 @@ def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scen
         clusters=tuple(clusters),
         rate_per_s=_float(traffic, "traffic.rate_per_s", "rate_per_s", 0.0, low=0.0),
         faults=tuple(sorted(faults, key=lambda f: f.at_s)),
+        buggify=_bool(raw, "buggify", False),
     )
 
 
@@ -231,6 +234,13 @@ def _strs(raw: dict[str, Any], where: str, key: str, default: list[str]) -> list
     value = raw.get(key, default)
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
         raise ScenarioError(f"{where}: must be a non-empty list of strings")
+    return value
+
+
+def _bool(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ScenarioError(f"{key}: must be true or false")
     return value
 
 

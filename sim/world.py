@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,7 @@ from actors.command_queue import Delivery
 from actors.controller import Controller, ControllerConfig
 from actors.env import Bus, Env, RandomSource
 from events import ClusterSpec, GpuRequirement, MemoryEventStore, subjects
-from events.messages import ApiReply, Command, RouteEntry
+from events.messages import ApiReply, Command, RouteEntry, ScaleRequest
 from gateway.dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
 from gateway.feed import RoutingFeed
 from gateway.retry import RetryPolicy
@@ -33,12 +33,13 @@ from nodeagent.config import AgentConfig
 from nodeagent.gpu import FakeGpuProbe
 from nodeagent.workload.fake import FakeDriver
 
+from .buggify import Buggify
 from .clock import SimClock
 from .commands import MemoryCommandQueue
 from .env import SeededStreams
 from .invariants import Checker
 from .network import SimNetwork
-from .scenario import Scenario
+from .scenario import FaultKind, FaultPlan, Scenario
 
 SERVICE_TIME_S = (0.02, 0.2)  # a replica's answer time, drawn per request
 CONNECT_TIMEOUT_S = 1.0  # an unreachable node: the TCP connect gives up after this
@@ -144,6 +145,7 @@ class World:
         self.derive = SeededStreams(seed)
         self.log = log or structlog.get_logger("gpumesh.sim")
         self.network = SimNetwork(self.derive("network"))
+        self.buggify = Buggify(seed, enabled=scenario.buggify)
         self.store = MemoryEventStore()
         self.queue = MemoryCommandQueue()
         self.nodes: dict[str, SimNode] = {}
@@ -176,6 +178,7 @@ class World:
             derive_rng=self.derive,
             bus=self.network.endpoint(endpoint),
             log=self.log.bind(process=endpoint),
+            buggify=self.buggify,
         )
 
     def note(self, text: str) -> None:
@@ -217,6 +220,8 @@ class World:
         """The scenario: deploys, traffic and faults on schedule, then settle and check."""
         scenario = self.scenario
         async with self.running():
+            if self.buggify.sites:
+                self.note(f"buggify on at: {', '.join(self.buggify.sites)}")
             jobs = [self.spawn(self._create_clusters(), "deploys")]
             if scenario.rate_per_s > 0:
                 jobs += [
@@ -349,6 +354,45 @@ class World:
             return
         self.router.finished(route, "ok")
         log.ok += 1
+
+    # -- driven step by step (tests/sim/test_stateful.py) ---------------------------------
+
+    async def create_cluster(self, name: str, replicas: int, *, gpu_count: int = 1) -> ApiReply:
+        """Deploy a cluster through the control API now, as a client would."""
+        spec = ClusterSpec(
+            name=name,
+            replicas=replicas,
+            model=name,
+            command="serve --port {port}",
+            gpu=GpuRequirement(count=gpu_count),
+        )
+        reply = await _api(self.network.endpoint("client"), "cluster.create", spec)
+        self.note(f"cluster {name} created ({replicas} replicas): {reply.ok}")
+        return reply
+
+    async def scale(self, name: str, replicas: int) -> ApiReply:
+        """Scale a cluster through the control API now."""
+        body = ScaleRequest(name=name, replicas=replicas)
+        reply = await _api(self.network.endpoint("client"), "cluster.scale", body)
+        self.note(f"cluster {name} scaled to {replicas}: {reply.ok}")
+        return reply
+
+    def start_traffic(self, cluster: str) -> asyncio.Task[None]:
+        """Seeded client traffic to `cluster` at the scenario's rate, from a second from now."""
+        return self.spawn(self._traffic(cluster, 0.0), f"traffic:{cluster}")
+
+    def fault(
+        self, kind: FaultKind, node_id: str | None = None, **params: Any
+    ) -> Callable[[], None]:
+        """Apply one fault now, exactly as a scenario would (to `node_id`, for a node fault),
+        and return what ends it."""
+        from .faults import FaultRunner
+
+        runner = FaultRunner(self)
+        plan = FaultPlan(at_s=self.now(), kind=kind, nodes=node_id or "1", duration_s=math.inf,
+                         **params)  # fmt: skip
+        runner._apply(plan)
+        return runner.end_all
 
 
 async def _api(bus: Bus, verb: str, body: object) -> ApiReply:
