@@ -1,5 +1,6 @@
 """Deterministic simulation: a virtual-time event loop and the Env that goes with it."""
 
+from .bus import MemoryBus as MemoryBus
 from .clock import (
     SIM_EPOCH_NS as SIM_EPOCH_NS,
     SimClock as SimClock,
@@ -11,4 +12,11 @@ from .loop import (
     SimEventLoop as SimEventLoop,
     SimulationError as SimulationError,
     run_simulation as run_simulation,
+)
+from .network import (
+    LinkFaults as LinkFaults,
+    NetworkStats as NetworkStats,
+    SimEndpoint as SimEndpoint,
+    SimNetwork as SimNetwork,
+    TraceEntry as TraceEntry,
 )

@@ -1,18 +1,22 @@
 """An in-memory Bus with NATS subject semantics: `*` and `>` wildcards, queue groups, request/reply.
 
 Deliveries happen in subscription order and queue-group members are chosen round-robin, so a
-run is reproducible. The simulator's fault layer (latency, loss, partitions) wraps this.
+run is reproducible. Delivery here is instant and lossless; sim/network.py's SimNetwork routes
+with the same rules (`route`) and adds per-link latency, loss, partitions and outages.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from typing import Protocol, TypeVar
 
 from actors.env import Msg, NoResponders, RequestTimeout
 
 
+@functools.lru_cache(maxsize=65_536)  # a fleet's few patterns and subjects, met over and over
 def subject_matches(pattern: str, subject: str) -> bool:
     """NATS matching: `*` is exactly one token, `>` one or more trailing tokens."""
     p_tokens = pattern.split(".")
@@ -25,8 +29,14 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return len(p_tokens) == len(s_tokens)
 
 
+class SubscriptionOwner(Protocol):
+    """What a subscription tells when it is unsubscribed: the bus (or endpoint) it came from."""
+
+    def _remove(self, sub: MemorySubscription) -> None: ...
+
+
 class MemorySubscription:
-    def __init__(self, bus: MemoryBus, subject: str, queue: str, sid: int) -> None:
+    def __init__(self, bus: SubscriptionOwner, subject: str, queue: str, sid: int) -> None:
         self.bus = bus
         self.subject = subject
         self.queue = queue
@@ -62,6 +72,33 @@ class MemorySubscription:
             self._inbox.put_nowait(None)
 
 
+S = TypeVar("S", bound=MemorySubscription)
+
+
+def route(subs: Iterable[S], subject: str, turns: dict[str, int]) -> list[S]:
+    """The subscriptions a message on `subject` goes to, as a NATS server picks them: every
+    matching plain subscription, in subscription order, then one member of each matching queue
+    group, round-robin (`turns` keeps each group's count), groups in order of first member.
+
+    As in nats-server, a queue group is its name alone: members on overlapping subjects
+    (`q.*` and `q.>` in group `g`) share one delivery.
+    """
+    plain: list[S] = []
+    groups: dict[str, list[S]] = {}  # insertion-ordered: by first member, never by hash
+    for sub in subs:
+        if not subject_matches(sub.subject, subject):
+            continue
+        if sub.queue:
+            groups.setdefault(sub.queue, []).append(sub)
+        else:
+            plain.append(sub)
+    for name, members in groups.items():
+        turn = turns.get(name, 0)
+        turns[name] = turn + 1
+        plain.append(members[turn % len(members)])
+    return plain
+
+
 class MemoryBus:
     def __init__(self) -> None:
         self._subs: list[MemorySubscription] = []
@@ -78,24 +115,10 @@ class MemoryBus:
     def deliver(self, msg: Msg) -> int:
         """Hand `msg` to every matching subscriber (one per queue group); return how many."""
         self.published += 1
-        # As in nats-server, a queue group is its name alone: members on overlapping subjects
-        # (`q.*` and `q.>` in group `g`) share one delivery.
-        groups: dict[str, list[MemorySubscription]] = {}
-        delivered = 0
-        for sub in list(self._subs):
-            if not subject_matches(sub.subject, msg.subject):
-                continue
-            if sub.queue:
-                groups.setdefault(sub.queue, []).append(sub)
-            else:
-                sub.deliver(msg)
-                delivered += 1
-        for key, members in groups.items():
-            turn = self._round_robin.get(key, 0)
-            self._round_robin[key] = turn + 1
-            members[turn % len(members)].deliver(msg)
-            delivered += 1
-        return delivered
+        targets = route(list(self._subs), msg.subject, self._round_robin)
+        for sub in targets:
+            sub.deliver(msg)
+        return len(targets)
 
     def new_inbox(self) -> str:
         """A subject no other caller gets (`_INBOX.<n>`, deterministic), for replies to it."""
