@@ -96,11 +96,12 @@ class Dispatcher:
         arrival = self._clock.monotonic()
         deadline = arrival + self.policy.deadline_s
         give_up_waiting = min(arrival + self.policy.queue_timeout_s, deadline)
-        tried: list[str] = []
+        tried: list[RouteEntry] = []
         attempts = 0
         last: UpstreamError | None = None
         while True:
-            route = await self._next_route(cluster, key, tried, arrival, give_up_waiting)
+            dead = last is not None and last.outcome == "connect_error"
+            route = await self._next_route(cluster, key, tried, arrival, give_up_waiting, dead)
             left = deadline - self._clock.monotonic()
             if left <= 0:
                 # The wait for a replica used up the deadline: not the replica's fault, so no
@@ -114,8 +115,8 @@ class Dispatcher:
                 return route, await self._attempt(route, attempt, first_byte_timeout)
             except UpstreamError as exc:
                 failure = last = exc
-            if route.replica_id not in tried:
-                tried.append(route.replica_id)
+            if route not in tried:
+                tried.append(route)
             delay = self.policy.backoff(attempts, self._rng)
             if (
                 not self.policy.retryable(failure.outcome)
@@ -157,19 +158,39 @@ class Dispatcher:
             raise
 
     async def _next_route(
-        self, cluster: str, key: str, tried: list[str], arrival: float, give_up: float
+        self,
+        cluster: str,
+        key: str,
+        tried: list[RouteEntry],
+        arrival: float,
+        give_up: float,
+        dead: bool = False,
     ) -> RouteEntry:
         while True:
             changed = self._table_changed
             if not self.router.known(cluster):
                 raise UnknownCluster(cluster)  # deleted while this request waited
-            route = self.router.choose(cluster, key=key, exclude=tried)
-            if route is None and tried:
-                # Every candidate failed once already; another go at one beats giving up while
-                # attempts remain.
-                route = self.router.choose(cluster, key=key)
+            # Only the placements that failed are excluded: a replica replaced at a new epoch
+            # (same id, maybe another node) is a new candidate.
+            current = set(self.router.routes(cluster))
+            exclude = [r.replica_id for r in tried if r in current]
+            route = self.router.choose(cluster, key=key, exclude=exclude)
             if route is not None:
                 return route
+            if exclude and dead:
+                # Every candidate failed once already, the last one refusing connections: its
+                # node died and the controller is replacing it. Wait for the table to change
+                # (within the queue timeout) before another go at a replica that just failed.
+                left = give_up - self._clock.monotonic()
+                if left > 0:
+                    try:
+                        async with asyncio.timeout(left):
+                            await changed.wait()
+                        continue
+                    except TimeoutError:
+                        pass
+            if exclude and (route := self.router.choose(cluster, key=key)) is not None:
+                return route  # another go beats giving up while attempts remain
             left = give_up - self._clock.monotonic()
             if left > 0:
                 try:

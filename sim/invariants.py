@@ -159,6 +159,11 @@ class Checker:
         ours = [r for r in live if r.cluster == placed.cluster]
         if any(r.node_id == placed.node_id for r in ours):
             holding = {r.node_id for r in ours}
+            # The node this replica was last placed on is not eligible for it: the scheduler
+            # avoids it by design (a crash loop there must not be re-placed there).
+            before = state.replicas.replicas.get(placed.replica_id)
+            if before is not None:
+                holding.add(before.node_id)
             for other in sorted(state.nodes.nodes):
                 if other in holding or other == placed.node_id:
                     continue

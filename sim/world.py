@@ -284,6 +284,7 @@ class World:
         config = AgentConfig(node_id=node.node_id, region=node.region, address="127.0.0.1")
         env = self.env(node.node_id)
         node.agent = Agent(env, node.commands, node.probe, node.driver, config)
+        node.bus = self.network.endpoint(node.node_id)  # a fresh one after power loss
         add = getattr(node.bus, "add_reconnect_callback", None)
         if add is not None:
             add(node.agent.on_reconnect)
@@ -297,6 +298,8 @@ class World:
         if node.task is not None:
             node.task.cancel()
             node.task = None
+        # The process's connection dies with it: its subscriptions and reconnect callback too.
+        self.spawn(node.bus.close(), f"close:{node.node_id}:{node.incarnation}")
         for workload in node.driver.running():
             workload.crash(-9)  # SIGKILL with its agent: gone, no report from anyone
 

@@ -340,3 +340,41 @@ async def test_a_key_with_affinity_on_keeps_going_to_one_replica() -> None:
         router.finished(route, "ok")
         chosen.add(route.replica_id)
     assert len(chosen) == 1
+
+
+def test_when_every_replica_refuses_it_waits_for_the_replacement_not_a_retry_storm() -> None:
+    """Found by the simulator (churn-storm): both replicas' nodes died; the request used to
+    spend its three attempts on them within milliseconds and fail, while the controller was
+    a second from routing their replacements (same ids, new epochs)."""
+
+    async def scenario() -> tuple[float, list[str], int]:
+        router, dispatcher, _ = build(SimClock(), ("llama-0", "llama-1"))
+        upstream = Upstream(script=["connect", "connect"])
+
+        async def controller() -> None:
+            await asyncio.sleep(2.5)
+            replaced = RoutingUpdate(
+                position=2,
+                routes={"llama": (entry("llama-0", epoch=2), entry("llama-1", epoch=2))},
+                clusters=("llama",),
+            )
+            router.apply(replaced)
+            dispatcher.notify()
+
+        helper = asyncio.create_task(controller())
+        route, _ = await dispatcher.run("llama", upstream)
+        await helper
+        return asyncio.get_running_loop().time(), upstream.replicas, route.epoch
+
+    now, tried, epoch = run_simulation(scenario())
+    assert sorted(tried[:2]) == ["llama-0", "llama-1"] and len(tried) == 3
+    assert epoch == 2 and 2.5 <= now < 3.0
+
+
+def test_a_replica_that_answered_5xx_is_tried_again_without_waiting() -> None:
+    async def scenario() -> float:
+        _, dispatcher, _ = build(SimClock(), ("llama-0",))
+        await dispatcher.run("llama", Upstream(script=["5xx"]))
+        return asyncio.get_running_loop().time()
+
+    assert run_simulation(scenario()) < 0.5  # alive, so no wait for the table to change
