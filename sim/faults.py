@@ -103,7 +103,7 @@ class FaultRunner:
         for node in self._victims(fault):
             what = f"{kind} {node.node_id}"
             world.note(f"fault  {what}")
-            world.checker.fault(kind, node, world.now())
+            world.checker.fault(kind, node, world.now(), fault.duration_s)
             self._node_fault(fault, node, what)
 
     def _node_fault(self, fault: FaultPlan, node: SimNode, what: str) -> None:

@@ -29,6 +29,12 @@ from .clock import SIM_EPOCH_NS
 if TYPE_CHECKING:
     from .world import SimNode, World
 
+# Faults the node's health must reflect, and how soon: offline after 3 missed 1 s heartbeats,
+# plus a heartbeat interval of slack. A fault shorter than that may rightly go unnoticed.
+MUST_DETECT = frozenset(
+    {"power_loss", "hang", "partition", "one_way_partition", "ecc", "driver", "churn"}
+)
+DETECTION_WINDOW_S = 5.0
 ROUTE_GRACE_S = 1.0  # a gateway's table may lag the controller by one publish: allow this much
 LIVENESS_S = 120.0  # after the faults stop, every cluster is whole again within this
 
@@ -46,6 +52,7 @@ class _Pending:
     at: float
     replicas: dict[str, int]  # replica -> epoch it had on the node when the fault struck
     detected: bool = False
+    lasting: float | None = None  # None: it never ends
 
 
 @dataclass
@@ -193,7 +200,9 @@ class Checker:
                 f"request to {route.replica_id} on {route.node_id}, offline since {offline:.3f}",
             )
 
-    def fault(self, kind: str, node: SimNode | None, at: float) -> None:
+    def fault(
+        self, kind: str, node: SimNode | None, at: float, lasting: float | None = None
+    ) -> None:
         if node is None:
             return
         replicas = {
@@ -201,7 +210,7 @@ class Checker:
             for r in self.state.replicas.replicas.values()
             if r.node_id == node.node_id and r.status not in RELEASED
         }
-        self._pending.append(_Pending(kind, node.node_id, at, replicas))
+        self._pending.append(_Pending(kind, node.node_id, at, replicas, lasting=lasting))
 
     def _violate(self, at: float, invariant: str, detail: str) -> None:
         self.violations.append(Violation(round(at, 6), invariant, detail))
@@ -227,6 +236,15 @@ class Checker:
             )
         if self.state != projections.rebuild(log):
             self._violate(now, "rebuild_equals_live", "the checker's fold differs from a rebuild")
+        for fault in self._pending:
+            long_enough = fault.lasting is None or fault.lasting >= DETECTION_WINDOW_S
+            if fault.kind in MUST_DETECT and long_enough and not fault.detected:
+                self._violate(
+                    now,
+                    "detection",
+                    f"{fault.kind} of {fault.node_id} at {fault.at:.3f} was never "
+                    "reflected in its health",
+                )
         live_state = controller.live.state
         for node_id, node in sorted(world.nodes.items()):
             view = live_state.nodes.nodes.get(node_id)

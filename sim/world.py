@@ -247,6 +247,9 @@ class World:
         if self._controller_task is not None:
             self._controller_task.cancel()
             self._controller_task = None
+            # A crashed process's connection goes with it (its queue-group subscriptions too);
+            # the restarted controller connects afresh.
+            self.spawn(self.network.endpoint("controller").close(), "close:controller")
 
     def stop_all(self) -> None:
         self.crash_controller()

@@ -1,0 +1,61 @@
+"""The shipped scenarios parse and run clean; a bad scenario file is one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sim.run import SCENARIOS, run_scenario
+from sim.scenario import ScenarioError, from_mapping, load
+
+SHIPPED = sorted(p.stem for p in SCENARIOS.glob("*.toml"))
+QUICK = [name for name in SHIPPED if name != "fleet-100"]  # fleet-100 is fuzzed by .ci/run
+
+
+def test_the_issue_s_scenarios_ship() -> None:
+    assert {
+        "power-outage",
+        "rolling-thermal",
+        "partition-heal",
+        "controller-crash-deploy",
+        "churn-storm",
+        "fleet-100",
+    } <= set(SHIPPED)
+
+
+@pytest.mark.parametrize("name", QUICK)
+def test_a_shipped_scenario_runs_with_no_violation_and_detects_its_faults(name: str) -> None:
+    scenario = load(SCENARIOS / f"{name}.toml")
+    result, _ = run_scenario(scenario, seed=1)
+    assert result.violations == []
+    assert all(a["availability"] >= 0.99 for a in result.availability.values()), result.availability
+    node_faults = {f.kind for f in scenario.faults} - {"controller_crash", "nats_outage"}
+    assert node_faults <= set(result.detection), (node_faults, result.detection)
+    # Every detection is within the control plane's window: offline after 3 missed 1 s beats.
+    assert all(t["p99"] <= 4.0 for t in result.detection.values()), result.detection
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"duration_s": 10, "faults": [{"at_s": 1, "kind": "meteor"}]}, "faults[0].kind: must be"),
+        ({"duration_s": 10, "faults": [{"at_s": 20, "kind": "hang"}]}, "faults[0].at_s: 20"),
+        ({"duration_s": 10, "fleet": {"nodes": 0}}, "fleet.nodes: must be a whole number"),
+        ({"duration_s": 10, "clusters": [{"replicas": 2}]}, "clusters[0].name: required"),
+        ({"duration_s": 10, "colour": "blue"}, "colour: unknown field"),
+        ({"duration_s": "long"}, "duration_s: must be a number"),
+        ({"duration_s": 10, "buggify": "yes"}, "buggify: must be true or false"),
+    ],
+)
+def test_a_bad_scenario_names_the_field(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(ScenarioError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        from_mapping(raw)
+
+
+def test_a_file_that_is_not_toml_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("name = \n")
+    with pytest.raises(ScenarioError) as caught:
+        load(bad)
+    assert str(caught.value).startswith(f"{bad}: not valid TOML") and "\n" not in str(caught.value)
