@@ -10,6 +10,7 @@ The key file (`gpumesh gateway --keys keys.toml`) is what operators write:
     keys = ["gm-7d1e...", "sha256:5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8"]
     rate_per_s = 20      # requests per second, sustained; 0 = unlimited (required)
     burst = 40           # optional: how many may come at once; default max(1, 2 * rate_per_s)
+    clusters = ["llama"] # optional: the only clusters its keys reach (default: every cluster)
 
     [tenants.beta]
     keys = ["gm-a04b..."]
@@ -66,6 +67,10 @@ class Tenant:
     name: str
     rate_per_s: float  # 0: unlimited
     burst: float
+    clusters: frozenset[str] = frozenset()  # the clusters its keys reach; empty: every one
+
+    def reaches(self, cluster: str) -> bool:
+        return not self.clusters or cluster in self.clusters
 
 
 ANONYMOUS = Tenant("anonymous", 0.0, 1.0)
@@ -243,7 +248,7 @@ def _digest_of(header: str | None) -> bytes | None:
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _TOP_FIELDS = ("admin_keys", "tenants")
-_TENANT_FIELDS = ("keys", "rate_per_s", "burst")
+_TENANT_FIELDS = ("keys", "rate_per_s", "burst", "clusters")
 
 
 def _one_line(text: str) -> str:
@@ -290,7 +295,17 @@ def _parse(raw: Mapping[str, Any]) -> tuple[dict[bytes, Tenant], frozenset[bytes
             burst = _number(table["burst"], f"{prefix}.burst")
             if burst < 1:
                 raise KeyFileError(f"{prefix}.burst: must be >= 1")
-        tenant = Tenant(name, rate, burst)
+        clusters: frozenset[str] = frozenset()
+        if "clusters" in table:
+            value = table["clusters"]
+            if (
+                not isinstance(value, list)
+                or not value
+                or not all(isinstance(c, str) and c for c in value)
+            ):
+                raise KeyFileError(f"{prefix}.clusters: must be a non-empty list of cluster names")
+            clusters = frozenset(value)
+        tenant = Tenant(name, rate, burst, clusters)
         if "keys" not in table:
             raise KeyFileError(f"{prefix}.keys: required (one or more keys)")
         for where, key in _key_list(table["keys"], f"{prefix}.keys", allow_empty=False):

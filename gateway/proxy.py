@@ -20,7 +20,7 @@ from aiohttp import web
 
 from events.messages import RouteEntry
 
-from .auth import KeyRing
+from .auth import ANONYMOUS, KeyRing, Tenant
 from .dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
 from .instruments import Instruments
 from .router import Router
@@ -121,9 +121,9 @@ class Proxy:
 
     async def openai(self, request: web.Request) -> web.StreamResponse:
         """/v1/chat/completions, /v1/completions, /v1/embeddings: routed by `model`."""
-        denied = self._admit(request)
-        if denied is not None:
-            return denied
+        tenant = self._admit(request)
+        if isinstance(tenant, web.Response):
+            return tenant
         body = await request.read()
         try:
             parsed = _BODY.decode(body)
@@ -132,27 +132,28 @@ class Proxy:
         if not parsed.model:
             return openai_error(400, "`model` is required: one of GET /v1/models", "missing_model")
         return await self._forward(
-            request, parsed.model, request.path_qs, body, self._affinity_key(parsed)
+            request, tenant, parsed.model, request.path_qs, body, self._affinity_key(parsed)
         )
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """/c/<cluster>/<path>: any other HTTP API of a cluster, forwarded as it is."""
-        denied = self._admit(request)
-        if denied is not None:
-            return denied
+        tenant = self._admit(request)
+        if isinstance(tenant, web.Response):
+            return tenant
         cluster = request.match_info["cluster"]
         tail = request.match_info.get("tail", "")
         query = f"?{request.query_string}" if request.query_string else ""
         body = await request.read()
-        return await self._forward(request, cluster, f"/{tail}{query}", body, "")
+        return await self._forward(request, tenant, cluster, f"/{tail}{query}", body, "")
 
     async def models(self, request: web.Request) -> web.Response:
-        denied = self._admit(request)
-        if denied is not None:
-            return denied
+        tenant = self._admit(request)
+        if isinstance(tenant, web.Response):
+            return tenant
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "gpumesh"}
             for name in self.router.models()
+            if tenant.reaches(self.router.resolve(name))
         ]
         return web.Response(
             body=_ERROR.encode({"object": "list", "data": data}), content_type="application/json"
@@ -160,9 +161,10 @@ class Proxy:
 
     # -- the data path -------------------------------------------------------------------
 
-    def _admit(self, request: web.Request) -> web.Response | None:
+    def _admit(self, request: web.Request) -> Tenant | web.Response:
+        """The caller's tenant, or the answer that turns it away (401, 429)."""
         if not self.keys.enabled:
-            return None
+            return ANONYMOUS
         tenant = self.keys.authenticate(request.headers.get("Authorization"))
         if tenant is None:
             return openai_error(
@@ -177,7 +179,7 @@ class Proxy:
                 "rate_limited",
                 **{"Retry-After": str(max(1, math.ceil(wait)))},
             )
-        return None
+        return tenant
 
     def _affinity_key(self, body: _OpenAIBody) -> str:
         match self.settings.affinity:
@@ -190,7 +192,13 @@ class Proxy:
                 return ""
 
     async def _forward(
-        self, request: web.Request, cluster: str, path: str, body: bytes, key: str
+        self,
+        request: web.Request,
+        tenant: Tenant,
+        cluster: str,
+        path: str,
+        body: bytes,
+        key: str,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -244,6 +252,13 @@ class Proxy:
                 )
             cluster = self.router.resolve(cluster)
             label = cluster if self.router.known(cluster) else "unknown"
+            if not tenant.reaches(cluster):
+                # Another tenant's cluster does not exist, as far as this key can tell.
+                label, status = "unknown", 404
+                return _with_id(
+                    openai_error(404, f"The model `{cluster}` does not exist", "model_not_found"),
+                    request_id,
+                )
             broken: StreamBroken | None = None
             for _ in range(self.dispatcher.policy.max_attempts):
                 try:
@@ -252,7 +267,9 @@ class Proxy:
                     status = 413
                     return _with_id(openai_error(413, str(exc), "too_large"), request_id)
                 except UnknownCluster:
-                    known = ", ".join(self.router.models()) or "none"
+                    models = self.router.models()
+                    reachable = [m for m in models if tenant.reaches(self.router.resolve(m))]
+                    known = ", ".join(reachable) or "none"
                     status = 404
                     return _with_id(
                         openai_error(

@@ -333,7 +333,7 @@ NO_KEYS = (
         (ACME + "rate_per_s = 1\nburst = -3", "tenants.acme.burst: must be >= 1"),
         (
             ACME + "rate_per_s = 1\nrate = 2",
-            "tenants.acme.rate: unknown field (expected keys, rate_per_s, burst)",
+            "tenants.acme.rate: unknown field (expected keys, rate_per_s, burst, clusters)",
         ),
         ("[tenants.acme]\nrate_per_s = 1", "tenants.acme.keys: required (one or more keys)"),
         (
@@ -460,3 +460,13 @@ async def test_the_default_clock_is_the_running_loop(tmp_path: Path) -> None:
     assert tenant is not None
     assert ring.admit(tenant) == 0.0
     assert 0.9 < ring.admit(tenant) <= 1.0
+
+
+def test_a_tenant_may_be_confined_to_some_clusters(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text('[tenants.acme]\nkeys = ["gm-a"]\nrate_per_s = 0\nclusters = ["llama"]\n')
+    tenant = KeyRing.load(path).authenticate("Bearer gm-a")
+    assert tenant is not None and tenant.reaches("llama") and not tenant.reaches("other")
+    path.write_text('[tenants.acme]\nkeys = ["gm-a"]\nrate_per_s = 0\nclusters = []\n')
+    with pytest.raises(KeyFileError, match=r"tenants\.acme\.clusters: must be a non-empty list"):
+        KeyRing.load(path)

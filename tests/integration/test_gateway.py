@@ -522,3 +522,40 @@ async def test_a_long_answer_is_not_a_hung_replica_and_a_cut_one_is_retried(
                 assert resp.status == 200
                 assert (await resp.json())["id"] == "chatcmpl-u0"
         assert not gw.router.is_ejected("u0")
+
+
+async def test_a_tenant_s_key_reaches_only_its_clusters(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+    tmp_path: Path,
+) -> None:
+    await source.publish(
+        {
+            "llama": [route("u0", upstreams[0].address)],
+            "secret": [route("u1", upstreams[1].address)],
+        }
+    )
+    key_file = tmp_path / "keys.toml"
+    key_file.write_text(
+        '[tenants.acme]\nkeys = ["gm-acme"]\nrate_per_s = 0\nclusters = ["llama"]\n'
+        '[tenants.ops]\nkeys = ["gm-ops"]\nrate_per_s = 0\n'
+    )
+    acme = {"Authorization": "Bearer gm-acme"}
+    ops = {"Authorization": "Bearer gm-ops"}
+    async with gateway(keys=KeyRing.load(key_file)) as gw:
+        url = f"{gw.url}/v1/chat/completions"
+        async with http.post(url, json=CHAT, headers=acme) as resp:
+            assert resp.status == 200
+        async with http.post(url, json={**CHAT, "model": "secret"}, headers=acme) as resp:
+            assert resp.status == 404  # as if it did not exist
+            assert "secret" not in (await resp.json())["error"]["message"].split("`")[2]
+        async with http.get(f"{gw.url}/c/secret/health", headers=acme) as resp:
+            assert resp.status == 404
+        async with http.get(f"{gw.url}/v1/models", headers=acme) as resp:
+            assert [m["id"] for m in (await resp.json())["data"]] == ["llama"]
+        async with http.post(url, json={**CHAT, "model": "secret"}, headers=ops) as resp:
+            assert resp.status == 200  # a tenant without a list reaches every cluster
+        assert upstreams[1].seen and len(upstreams[1].seen) == 1
