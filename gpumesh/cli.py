@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import up
 
     up.register(commands, [common])
+
+    from . import chaos
+
+    chaos.register(commands, [common])
     return parser
 
 
