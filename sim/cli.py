@@ -6,16 +6,18 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from actors.cli import CommandFailed
 
 from .scenario import FaultPlan, Scenario, ScenarioError, load
+
+T = TypeVar("T")
 
 REPLAY_SHARE = 0.05  # of passing fuzz seeds, run twice: a difference is a determinism bug
 
@@ -45,7 +47,9 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     fuzz.add_argument("scenario")
     fuzz.add_argument("--seeds", type=int, default=100, help="how many seeds (default 100)")
     fuzz.add_argument("--start", type=int, default=1, help="first seed (default 1)")
-    fuzz.add_argument("--jobs", type=int, default=2, help="processes (default 2)")
+    fuzz.add_argument(
+        "--jobs", type=int, default=2, help="processes (default 2; 0: all in this process)"
+    )
     fuzz.add_argument("--json", action="store_true")
     fuzz.add_argument(
         "--record", type=Path, metavar="FILE", help="where to write the failing run's record"
@@ -184,12 +188,14 @@ def _fuzz(
     checked = 0
     mismatched: list[int] = []
     failing: tuple[int, dict[str, Any]] | None = None
-    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+    pool: Executor = ProcessPoolExecutor(max_workers=jobs) if jobs > 0 else _InProcess()
+    in_flight = jobs * 2 if jobs > 0 else 1
+    with pool:
         pending: dict[Future[dict[str, Any]], int] = {}
         queue = list(seeds)
         results: dict[int, dict[str, Any]] = {}
         while (queue or pending) and failing is None:
-            while queue and len(pending) < max(1, jobs) * 2:
+            while queue and len(pending) < in_flight:
                 seed = queue.pop(0)
                 pending[pool.submit(execute, path, seed)] = seed
             done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
@@ -208,6 +214,19 @@ def _fuzz(
             if result != results[seed]:
                 mismatched.append(seed)
     return failing, checked, mismatched
+
+
+class _InProcess(Executor):
+    """`--jobs 0`: every run in this process, one after the other (what a test that patches
+    the code under test needs: a worker process would not see the patch)."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        future: Future[T] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
 
 def _shrink(

@@ -397,8 +397,17 @@ class World:
         runner = FaultRunner(self)
         plan = FaultPlan(at_s=self.now(), kind=kind, nodes=node_id or "1", duration_s=math.inf,
                          **params)  # fmt: skip
+        struck = len(self.checker._pending)
         runner._apply(plan)
-        return runner.end_all
+        pending = self.checker._pending[struck:]
+
+        def end() -> None:
+            # The checker judges detection by how long the fault really lasted.
+            for fault in pending:
+                fault.lasting = self.now() - fault.at
+            runner.end_all()
+
+        return end
 
 
 async def _api(bus: Bus, verb: str, body: object) -> ApiReply:
