@@ -152,7 +152,7 @@ class Record:
     status: int = 0  # 0: no response head
     error: str = ""
     replica: int | None = None  # the port of the replica that answered
-    chunks: int = 0  # `data:` chunks before [DONE]
+    chunks: int = 0  # `data:` chunks (tokens, then the finish chunk) before [DONE]
     done: bool = False  # streams: `data: [DONE]` arrived; others: a complete, valid body
     error_event: bool = False  # an SSE `event: error` arrived (the gateway's mid-stream error)
     tail: str = ""  # the last bytes of a failed answer, for the report
@@ -188,6 +188,8 @@ async def _one(
             async for line in resp.content:
                 got += line
                 del got[:-300]
+                if rec.error_event:
+                    continue  # the error event's own `data:` line is no token
                 if line.startswith(b"data: "):
                     if line.startswith(b"data: [DONE]"):
                         rec.done = True

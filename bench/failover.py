@@ -667,13 +667,14 @@ def _analyse(
     streams_cut = [r for r in records if r["stream"] and r["status"] == 200 and not _ok(r)]
     truncated = [r for r in records if not r["stream"] and r["status"] == 200 and not _ok(r)]
     by_id = {r["id"]: r for r in records}
+    # What the killed replica had begun and not finished when it died: its trace's starts
+    # without an end. (Not "started before kill.at_ns": the agent's process group is killed
+    # first, so a request may still reach the workload in the millisecond after that stamp.)
     victim_pids = {w.pid for w in killed.workloads}
     in_flight: list[str] = []
     for pid, trace in traces.items():
         if pid in victim_pids:
-            in_flight += [
-                rid for rid, t in trace["starts"].items() if rid not in trace["ends"] and t <= kill
-            ]
+            in_flight += [rid for rid in trace["starts"] if rid not in trace["ends"]]
     fates: dict[str, int] = defaultdict(int)
     for rid in in_flight:
         fates[_fate(by_id.get(rid))] += 1
@@ -691,6 +692,10 @@ def _analyse(
         "succeeded": len(ok),
         "failed_before_first_byte": len(early),
         "failed_before_first_byte_kinds": dict(kinds),
+        "failed_before_first_byte_in_flight": len({r["id"] for r in early} & set(in_flight)),
+        "failed_before_first_byte_reached_no_replica": len(
+            {r["id"] for r in early} - {rid for t in traces.values() for rid in t["starts"]}
+        ),
         "failed_before_first_byte_start_rel_kill_s": rel(early, "start_ns"),
         "streams_cut": len(streams_cut),
         "streams_cut_error_event": sum(1 for r in streams_cut if r["error_event"]),
@@ -929,6 +934,12 @@ def _print_proxied(r: dict[str, Any]) -> None:
         f"succeeded {r['succeeded']:,} ({ok:.2f} %)"
     )
     kinds = ", ".join(f"{n}x {k}" for k, n in r["failed_before_first_byte_kinds"].items())
+    if kinds:
+        held = r["failed_before_first_byte_in_flight"]
+        kinds += (
+            f" ({held} in flight on the killed replica when it died, "
+            f"{r['failed_before_first_byte_reached_no_replica']} reached no replica)"
+        )
     print(
         f"  failed before the first byte: {r['failed_before_first_byte']} (target 0)"
         + (
