@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import msgspec
@@ -28,6 +28,7 @@ from .transport.base import (
     HOP_BY_HOP,
     FirstByteTimeout,
     Outcome,
+    ResetBeforeHead,
     StreamBroken,
     Transport,
     UpstreamError,
@@ -79,6 +80,12 @@ class _Answer:
     buffered: list[bytes]
     complete: bool  # the whole body is in `buffered`
     event_stream: bool
+    # One iterator over the body for the whole request: a second chunks() call would start a
+    # second reader (and its clean-up would release the connection under the first).
+    body: AsyncIterator[bytes] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.body = self.response.chunks()
 
 
 def _with_id(response: web.Response, request_id: str) -> web.Response:
@@ -360,8 +367,23 @@ class Proxy:
         if response.status >= 500:
             await response.aclose()
             raise UpstreamStatus(route.replica_id, response.status)
-        event_stream = _is_event_stream(response.headers)
-        return _Answer(response, [], complete=False, event_stream=event_stream)
+        answer = _Answer(
+            response, [], complete=False, event_stream=_is_event_stream(response.headers)
+        )
+        if answer.event_stream:
+            # A stream server sends its head before its first token. Hold the client's head
+            # until the first chunk, inside the attempt: a replica that dies before it has said
+            # anything is retried elsewhere, invisibly, instead of cutting a stream.
+            try:
+                answer.buffered.append(await anext(answer.body))
+            except StopAsyncIteration:
+                answer.complete = True
+            except StreamBroken as exc:
+                await response.aclose()
+                raise ResetBeforeHead(
+                    route.replica_id, f"stream ended before its first chunk: {exc.detail}"
+                ) from exc
+        return answer
 
     async def _buffer(self, answer: _Answer, started: float) -> None:
         """Read a non-streaming answer whole before the client sees a byte, so that a replica
@@ -371,7 +393,7 @@ class Proxy:
         size = 0
         try:
             async with asyncio.timeout(max(0.0, left)):
-                async for chunk in answer.response.chunks():
+                async for chunk in answer.body:
                     answer.buffered.append(chunk)
                     size += len(chunk)
                     if size > self.settings.buffer_limit:
@@ -403,7 +425,7 @@ class Proxy:
             await stream.prepare(request)
             for chunk in answer.buffered:
                 await stream.write(chunk)
-            async for chunk in upstream.chunks():
+            async for chunk in answer.body:
                 await stream.write(chunk)
             outcome = "ok"
         except StreamBroken as exc:

@@ -9,6 +9,7 @@ the faults have stopped and the world has settled.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -72,6 +73,7 @@ class Checker:
         self._superseded: dict[tuple[str, int], float] = {}  # (replica, epoch) -> when
         self._offline_since: dict[str, float] = {}
         self._pending: list[_Pending] = []
+        self._controller_down: list[list[float]] = []  # [from, until]; until inf while down
         self._caught_up = asyncio.Event()
 
     # -- as the run goes -----------------------------------------------------------------
@@ -200,6 +202,21 @@ class Checker:
                 f"request to {route.replica_id} on {route.node_id}, offline since {offline:.3f}",
             )
 
+    def controller_down(self, at: float) -> None:
+        self._controller_down.append([at, math.inf])
+
+    def controller_up(self, at: float) -> None:
+        if self._controller_down and self._controller_down[-1][1] == math.inf:
+            self._controller_down[-1][1] = at
+
+    def _watched(self, start: float, end: float) -> float:
+        """How long the controller was up between `start` and `end`: nobody can detect a
+        fault while it is down."""
+        down = sum(
+            max(0.0, min(end, until) - max(start, since)) for since, until in self._controller_down
+        )
+        return (end - start) - down
+
     def fault(
         self, kind: str, node: SimNode | None, at: float, lasting: float | None = None
     ) -> None:
@@ -237,7 +254,8 @@ class Checker:
         if self.state != projections.rebuild(log):
             self._violate(now, "rebuild_equals_live", "the checker's fold differs from a rebuild")
         for fault in self._pending:
-            long_enough = fault.lasting is None or fault.lasting >= DETECTION_WINDOW_S
+            end = now if fault.lasting is None else min(now, fault.at + fault.lasting)
+            long_enough = self._watched(fault.at, end) >= DETECTION_WINDOW_S
             if fault.kind in MUST_DETECT and long_enough and not fault.detected:
                 self._violate(
                     now,

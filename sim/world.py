@@ -240,11 +240,14 @@ class World:
             await self.checker.finish()
 
     def start_controller(self) -> None:
+        if self._tasks is not None and self.controller is not None:
+            self.checker.controller_up(self.now())
         self.controller = Controller(self.env("controller"), self.queue, ControllerConfig())
         self._controller_task = self.spawn(self.controller.run(), "controller")
 
     def crash_controller(self) -> None:
         if self._controller_task is not None:
+            self.checker.controller_down(self.now())
             self._controller_task.cancel()
             self._controller_task = None
             # A crashed process's connection goes with it (its queue-group subscriptions too);

@@ -85,7 +85,7 @@ class Upstream:
     """A small aiohttp server whose behaviour a test sets: echo, hang, 500 or cut streams."""
 
     name: str
-    mode: str = "ok"  # ok | hang | error | cut
+    mode: str = "ok"  # ok | hang | error | cut | cut0 | slowbody | cutbody
     seen: list[CIMultiDict[str]] = field(default_factory=list)
     runner: web.AppRunner | None = None
     port: int = 0
@@ -165,6 +165,11 @@ class Upstream:
             headers={"Content-Type": "text/event-stream", "X-Upstream": self.name}
         )
         await response.prepare(request)
+        if self.mode == "cut0":
+            await asyncio.sleep(0.01)
+            assert request.transport is not None
+            request.transport.abort()  # dies after its head, before its first token
+            return response
         for i, word in enumerate(words):
             chunk = {
                 "id": f"chatcmpl-{self.name}",

@@ -559,3 +559,24 @@ async def test_a_tenant_s_key_reaches_only_its_clusters(
         async with http.post(url, json={**CHAT, "model": "secret"}, headers=ops) as resp:
             assert resp.status == 200  # a tenant without a list reaches every cluster
         assert upstreams[1].seen and len(upstreams[1].seen) == 1
+
+
+async def test_a_stream_that_dies_before_its_first_token_is_retried_invisibly(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    upstreams[0].mode = "cut0"  # head sent, then dead: found by bench/failover.py
+    await source.publish({"llama": [route("u1", upstreams[1].address)]})
+    async with gateway() as gw:
+        await source.publish({"llama": [route(u.name, u.address) for u in upstreams[:2]]})
+        await until(lambda: len(gw.router.routes("llama")) == 2)
+        for _ in range(4):
+            body = {**CHAT, "stream": True}
+            async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                text = (await resp.read()).decode()
+                assert resp.status == 200 and resp.headers["X-Upstream"] == "u1"
+            assert text.rstrip().endswith("data: [DONE]") and "event: error" not in text
+        assert upstreams[0].seen  # it was tried, and failed before its first token

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-import pytest
-
 from projections import FleetState
 from sim import run_simulation
 from sim.run import quiet_logger
@@ -126,11 +124,6 @@ def test_a_lasting_fault_that_never_shows_in_health_is_a_violation() -> None:
     assert [v.invariant for v in world.checker.violations] == ["detection"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sim/invariants.py: the detection verdict ignores controller downtime; a node fault "
-    "that starts and ends while the controller is down cannot show in health",
-)
 def test_a_node_fault_during_a_controller_outage_is_not_a_detection_failure() -> None:
     async def steps(world: World) -> None:
         restart = world.fault("controller_crash")
