@@ -31,7 +31,7 @@ from hypothesis.stateful import (
 
 import projections
 from actors import scheduler
-from sim.invariants import DETECTION_WINDOW_S, Violation
+from sim.invariants import Violation
 from sim.loop import SimEventLoop
 from sim.run import quiet_logger
 from sim.scenario import Fleet, Scenario
@@ -66,7 +66,7 @@ class _FaultSpan:
     kind: str
     node_id: str
     start: float
-    end: float | None = None
+    held_offline: bool  # the controller's last word on the node, when it struck, was offline
 
 
 class SimMachine(RuleBasedStateMachine):
@@ -84,8 +84,7 @@ class SimMachine(RuleBasedStateMachine):
         self.world: World | None = None
         self.main: asyncio.Task[None] | None = None
         self.ends: dict[str, Callable[[], None]] = {}  # node (or CONTROLLER) -> end its fault
-        self.spans: dict[str, _FaultSpan] = {}  # node -> its fault now
-        self.history: list[_FaultSpan] = []  # every node fault, and every controller outage
+        self.history: list[_FaultSpan] = []  # every fault, in order
         self.traffic: set[str] = set()
         SimMachine.last_run = []
 
@@ -128,13 +127,13 @@ class SimMachine(RuleBasedStateMachine):
         assert world is not None
         params = FAULT_PARAMS.get(kind, {})
         key = node_id or CONTROLLER
+        node = world.checker.state.nodes.nodes.get(key)
+        held_offline = node is not None and node.health == "offline"
+        self.history.append(_FaultSpan(kind, key, self._now(), held_offline))
         self.ends[key] = self._do(lambda: world.fault(kind, node_id, **params))  # type: ignore[arg-type]
-        self.spans[key] = _FaultSpan(kind, key, self._now())
-        self.history.append(self.spans[key])
 
     def _end(self, key: str) -> None:
         self._do(self.ends.pop(key))
-        self.spans.pop(key).end = self._now()
 
     async def _live(self, world: World, ready: asyncio.Event) -> None:
         async with world.running():
@@ -251,10 +250,28 @@ class SimMachine(RuleBasedStateMachine):
             if self.liveness and not main.done() and not world.checker.violations:
                 self._settle(world)
         finally:
-            main.cancel()
-            loop.run_until_complete(asyncio.gather(main, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+            self._stop(loop, main)
+
+    @staticmethod
+    def _stop(loop: SimEventLoop, main: asyncio.Task[None]) -> None:
+        main.cancel()
+        for _ in range(10):
+            done, _ = loop.run_until_complete(asyncio.wait({main}, timeout=10.0))
+            if done:
+                break
+            # A task that swallowed its cancellation keeps the world from ending (the
+            # controller's routing loop does on Python 3.11: test_world.py pins that bug).
+            # Cancel it again rather than simulate forever.
+            for task in asyncio.all_tasks(loop):
+                if task.cancelling() and not task.done():
+                    task.cancel()
+        else:
+            stuck = sorted(t.get_name() for t in asyncio.all_tasks(loop) if not t.done())
+            raise AssertionError(f"the world ignores its cancellation: {stuck}")
+        if not main.cancelled():
+            main.exception()  # retrieved: _check_alive has reported it already
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
 
     def _settle(self, world: World) -> None:
         """Liveness: every fault ends, the controller is back; within SETTLE_S every cluster
@@ -269,37 +286,17 @@ class SimMachine(RuleBasedStateMachine):
         assert violations == [], "\n".join(world.timeline)
 
     def _unobservable(self, violation: Violation) -> bool:
-        """A `detection` verdict on a node fault no controller was up long enough to see.
-
-        The Checker demands that a node fault lasting DETECTION_WINDOW_S shows in health, but
-        health is the controller's verdict: with the controller down for (nearly) all of the
-        fault, nobody can record it. Only such verdicts are excused here, by the controller's
-        uptime during the fault; every other violation stands.
-        """
+        """A `detection` verdict on a fault that struck a node the controller already held
+        offline: its health cannot change, so the Checker's demand for a change is wrong
+        (test_world.py pins that Checker bug). Every other violation stands."""
         found = _DETECTION.fullmatch(violation.detail)
         if violation.invariant != "detection" or found is None:
             return False
         kind, node_id, at = found.group(1), found.group(2), float(found.group(3))
-        span = next(
-            (
-                s
-                for s in self.history
-                if (s.kind, s.node_id) == (kind, node_id) and abs(s.start - at) < 1e-3
-            ),
-            None,
+        return any(
+            (s.kind, s.node_id) == (kind, node_id) and abs(s.start - at) < 1e-3 and s.held_offline
+            for s in self.history
         )
-        if span is None or span.end is None:
-            return False
-        down = sum(
-            _overlap(span.start, span.end, o.start, o.end if o.end is not None else span.end)
-            for o in self.history
-            if o.node_id == CONTROLLER
-        )
-        return (span.end - span.start) - down < DETECTION_WINDOW_S
-
-
-def _overlap(a0: float, a1: float, b0: float, b1: float) -> float:
-    return max(0.0, min(a1, b1) - max(a0, b0))
 
 
 # No explain phase: it re-runs failing examples under a line tracer, seconds each here.
