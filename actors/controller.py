@@ -310,8 +310,11 @@ class Controller:
                     await self.env.bus.publish(subjects.ROUTING, self.routing_update())
                 except BusError as exc:  # NATS down: the refresh re-sends once it is back
                     self.log.warning("routing_publish_failed", error=str(exc))
+            # asyncio.timeout, not wait_for: on 3.11 wait_for loses a cancellation that lands as
+            # the event fires (CPython gh-86296), and the controller would never stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), self.config.routing_refresh_interval)
+                async with asyncio.timeout(self.config.routing_refresh_interval):
+                    await changed.wait()
             changed.clear()
 
     async def _compaction_loop(self) -> None:

@@ -222,6 +222,9 @@ class Checker:
     ) -> None:
         if node is None:
             return
+        view = self.state.nodes.nodes.get(node.node_id)
+        if view is not None and view.health != "healthy":
+            return  # already held unhealthy or offline: there is no change left to detect
         replicas = {
             r.replica_id: r.epoch
             for r in self.state.replicas.replicas.values()

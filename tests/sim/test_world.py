@@ -5,7 +5,6 @@ scale through the control API, inject a fault now and end it later, and the Chec
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -143,11 +142,6 @@ def test_a_node_fault_during_a_controller_outage_is_not_a_detection_failure() ->
     assert world.checker.violations == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="sim/invariants.py: a node fault that strikes a node the controller already holds "
-    "offline can never change its health; the detection verdict demands a change",
-)
 def test_a_fault_on_a_node_already_held_offline_is_not_a_detection_failure() -> None:
     """node-1 loses power and is declared offline; the controller goes down, node-1 comes back
     and loses power again before the controller returns. The restarted controller rebuilds
@@ -172,13 +166,6 @@ def test_a_fault_on_a_node_already_held_offline_is_not_a_detection_failure() -> 
     assert world.checker.violations == []
 
 
-@pytest.mark.xfail(
-    sys.version_info < (3, 12),
-    strict=True,
-    reason="actors/controller.py _routing_loop: on Python 3.11 asyncio.wait_for returns the "
-    "inner result when the cancel lands after the awaited event fired (CPython gh-86296), so "
-    "the cancellation is lost and the loop runs on; a controller shutdown then never ends",
-)
 @pytest.mark.parametrize("ticks", [0, 1, 2])
 def test_a_cancelled_routing_loop_stops(ticks: int) -> None:
     """A routing change and a cancellation in the same instant (virtual time makes such
