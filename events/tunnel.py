@@ -204,3 +204,22 @@ def decode(data: bytes) -> Frame:
     elif meta_len:
         raise FrameError(f"{KIND_NAMES[kind]} frame with {meta_len} bytes of meta, expected none")
     return Frame(kind, seq, meta, data[end:])
+
+
+# Headers set per hop (RFC 9110 7.6.1), plus Host and Content-Length, which each hop sets for
+# itself: never forwarded, by the gateway or by the agent's end of the tunnel.
+HOP_BY_HOP: frozenset[str] = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)

@@ -19,13 +19,13 @@ import msgspec
 from aiohttp import web
 
 from events.messages import RouteEntry
+from events.tunnel import HOP_BY_HOP
 
 from .auth import ANONYMOUS, KeyRing, Tenant
 from .dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
 from .instruments import Instruments
 from .router import Router
 from .transport.base import (
-    HOP_BY_HOP,
     FirstByteTimeout,
     Outcome,
     ResetBeforeHead,

@@ -45,6 +45,7 @@ from events import ClusterSpec, Envelope, GpuRequirement, subjects
 from events.messages import ApiReply, EventsRequest, Fault, FaultReply
 from sim.env import SeededStreams
 from sim.scenario import NODE_FAULTS, FaultPlan, Scenario
+from sim.world import RequestLog
 
 if TYPE_CHECKING:
     import aiohttp
@@ -427,26 +428,11 @@ def _kill_workload(pid: int) -> None:
 
 
 def draw(nodes: dict[str, NodeState], spec: str, rng: RandomSource) -> list[NodeState]:
-    """The simulator's draw of a fault's victims (sim/faults.py): names as given, or a share of
-    the nodes up (not powered off, not hung) in sorted order, shuffled with the run's "faults"
-    stream, so a seed picks what `gpumesh sim run` picks on a fleet with the same names."""
-    from sim.world import share
+    """The simulator's own draw of a fault's victims (sim.world.draw_victims), so a seed picks
+    what `gpumesh sim run` picks on a fleet with the same names."""
+    from sim.world import draw_victims
 
-    if not (spec.endswith("%") or spec.isdigit()):
-        names = [name.strip() for name in spec.split(",")]
-        return [nodes[name] for name in names if name in nodes]
-    up = [n for _, n in sorted(nodes.items()) if n.powered and not n.hung]
-    count = min(len(up), share(spec, len(nodes), rng))
-    order = list(range(len(up)))
-    rng.shuffle(order)
-    return [up[i] for i in sorted(order[:count])]
-
-
-@dataclass
-class RequestLog:
-    sent: int = 0
-    ok: int = 0
-    failed: dict[str, int] = field(default_factory=dict)
+    return draw_victims(nodes, spec, rng, up=lambda n: n.powered and not n.hung)
 
 
 @dataclass
@@ -1158,21 +1144,9 @@ class ChaosRun:
     # -- the result ------------------------------------------------------------------------------
 
     def result(self) -> RunResult:
-        from sim.run import RunResult, _percentiles
+        from sim.run import RunResult, percentiles, request_summary
 
-        availability = {}
-        failed = 0
-        for name, requests in sorted(self.requests.items()):
-            lost = sum(requests.failed.values())
-            failed += lost
-            availability[name] = {
-                "sent": requests.sent,
-                "ok": requests.ok,
-                "failed": dict(sorted(requests.failed.items())),
-                "availability": round(requests.ok / (requests.ok + lost), 6)
-                if requests.ok + lost
-                else 1.0,
-            }
+        availability, failed = request_summary(self.requests)
         timings = self.checker.timings
         return RunResult(
             scenario=self.scenario.name,
@@ -1182,8 +1156,8 @@ class ChaosRun:
             digest=self._digest.hexdigest(),
             availability=availability,
             requests_failed=failed,
-            detection=_percentiles(timings.detection),
-            replacement=_percentiles(timings.replacement),
+            detection=percentiles(timings.detection),
+            replacement=percentiles(timings.replacement),
             violations=[v._asdict() for v in self.checker.violations],
             timeline=list(self.timeline),
             faults=[asdict(f) for f in self.scenario.faults],

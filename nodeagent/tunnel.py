@@ -19,7 +19,14 @@ import structlog
 
 from actors.env import Bus, BusError
 from events import subjects, tunnel as frames
-from events.tunnel import ErrorReason, FrameError, TunnelCancel, TunnelHead, TunnelRequest
+from events.tunnel import (
+    HOP_BY_HOP,
+    ErrorReason,
+    FrameError,
+    TunnelCancel,
+    TunnelHead,
+    TunnelRequest,
+)
 
 # (replica_id, epoch) -> the workload's base URL on this node (http://127.0.0.1:8000), or None
 # when this agent does not run that replica at that epoch.
@@ -32,22 +39,6 @@ DEFAULT_MAX_CONCURRENT: Final = 512
 ACK_AFTER_S: Final = 0.05
 _RETRY_S: Final = 1.0
 
-# Set per hop (RFC 9110 7.6.1), and Host and Content-Length, which aiohttp sets for the hop.
-_HOP_BY_HOP: Final = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
 
 _log = structlog.get_logger("gpumesh.tunnel")
 
@@ -242,7 +233,7 @@ class TunnelServer:
         session = self._session
         if session is None:
             session = self._session = _new_session()
-        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_BY_HOP]
+        headers = [(k, v) for k, v in request.headers if k.lower() not in HOP_BY_HOP]
         try:
             async with asyncio.timeout(request.timeout_s or None):
                 response = await session.request(
@@ -284,7 +275,7 @@ class TunnelServer:
         head = TunnelHead(
             status=response.status,
             headers=tuple(
-                (str(k), v) for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP
+                (str(k), v) for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP
             ),
         )
         data = content.read_nowait(cap)

@@ -56,18 +56,11 @@ class FaultRunner:
         self._undo.clear()
 
     def _victims(self, fault: FaultPlan) -> list[SimNode]:
-        from .world import share
+        from .world import draw_victims
 
-        world = self.world
-        spec = fault.nodes
-        if not (spec.endswith("%") or spec.isdigit()):
-            names = [name.strip() for name in spec.split(",")]
-            return [world.nodes[name] for name in names if name in world.nodes]
-        up = [n for _, n in sorted(world.nodes.items()) if n.powered and not n.hung]
-        count = min(len(up), share(spec, len(world.nodes), self.rng))
-        order = list(range(len(up)))
-        self.rng.shuffle(order)
-        return [up[i] for i in sorted(order[:count])]
+        return draw_victims(
+            self.world.nodes, fault.nodes, self.rng, up=lambda n: n.powered and not n.hung
+        )
 
     def _later(self, fault: FaultPlan, what: str, undo: Undo) -> None:
         if fault.duration_s is not None:

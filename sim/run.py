@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import structlog
 from .clock import stamp_sim_time
 from .loop import run_simulation
 from .scenario import FaultPlan, Scenario
-from .world import World
+from .world import RequestLog, World
 
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 
@@ -86,19 +87,7 @@ def summarize(world: World) -> RunResult:
     digest = hashlib.sha256()
     for envelope in log:
         digest.update(msgspec.msgpack.encode(envelope))
-    availability = {}
-    failed = 0
-    for name, requests in sorted(world.requests.items()):
-        lost = sum(requests.failed.values())
-        failed += lost
-        availability[name] = {
-            "sent": requests.sent,
-            "ok": requests.ok,
-            "failed": dict(sorted(requests.failed.items())),
-            "availability": round(requests.ok / (requests.ok + lost), 6)
-            if requests.ok + lost
-            else 1.0,
-        }
+    availability, failed = request_summary(world.requests)
     checker = world.checker
     return RunResult(
         scenario=world.scenario.name,
@@ -108,8 +97,8 @@ def summarize(world: World) -> RunResult:
         digest=digest.hexdigest(),
         availability=availability,
         requests_failed=failed,
-        detection=_percentiles(checker.timings.detection),
-        replacement=_percentiles(checker.timings.replacement),
+        detection=percentiles(checker.timings.detection),
+        replacement=percentiles(checker.timings.replacement),
         violations=[v._asdict() for v in checker.violations],
         timeline=list(world.timeline),
         faults=[asdict(f) for f in world.scenario.faults],
@@ -121,7 +110,26 @@ def faults_from(records: list[dict[str, Any]]) -> tuple[FaultPlan, ...]:
     return tuple(FaultPlan(**record) for record in records)
 
 
-def _percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+def request_summary(
+    requests: Mapping[str, RequestLog],
+) -> tuple[dict[str, dict[str, Any]], int]:
+    """Availability per cluster (answered over ended requests; those still in flight count
+    neither way) and the number of failed requests: the simulator's and chaos's summaries."""
+    availability = {}
+    failed = 0
+    for name, log in sorted(requests.items()):
+        lost = sum(log.failed.values())
+        failed += lost
+        availability[name] = {
+            "sent": log.sent,
+            "ok": log.ok,
+            "failed": dict(sorted(log.failed.items())),
+            "availability": round(log.ok / (log.ok + lost), 6) if log.ok + lost else 1.0,
+        }
+    return availability, failed
+
+
+def percentiles(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
     out = {}
     for kind, values in sorted(samples.items()):
         ordered = sorted(values)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -41,6 +41,7 @@ from .invariants import Checker
 from .network import SimNetwork
 from .scenario import FaultKind, FaultPlan, Scenario
 
+N = TypeVar("N")
 SERVICE_TIME_S = (0.02, 0.2)  # a replica's answer time, drawn per request
 CONNECT_TIMEOUT_S = 1.0  # an unreachable node: the TCP connect gives up after this
 
@@ -427,3 +428,19 @@ def share(spec: str, population: int, rng: RandomSource) -> int:
     if spec.endswith("%"):
         return max(1, math.floor(population * float(spec[:-1]) / 100 + 0.5))
     return int(spec)
+
+
+def draw_victims(
+    nodes: Mapping[str, N], spec: str, rng: RandomSource, *, up: Callable[[N], bool]
+) -> list[N]:
+    """A fault's victims: the names it gives, or a share of the nodes that are `up`, in sorted
+    order, shuffled with `rng`. The simulator and `gpumesh chaos` both draw with this, so a seed
+    picks the same victims in both."""
+    if not (spec.endswith("%") or spec.isdigit()):
+        names = [name.strip() for name in spec.split(",")]
+        return [nodes[name] for name in names if name in nodes]
+    candidates = [node for _, node in sorted(nodes.items()) if up(node)]
+    count = min(len(candidates), share(spec, len(nodes), rng))
+    order = list(range(len(candidates)))
+    rng.shuffle(order)
+    return [candidates[i] for i in sorted(order[:count])]

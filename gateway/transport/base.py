@@ -101,26 +101,3 @@ class Transport(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-HOP_BY_HOP = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "te",
-        "trailer",
-        "trailers",
-        "transfer-encoding",
-        "upgrade",
-        "host",
-        "content-length",
-    }
-)
-
-
-def end_to_end(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Drop hop-by-hop headers (RFC 9110 7.6.1), and Host and Content-Length, which each hop
-    sets for itself."""
-    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP]

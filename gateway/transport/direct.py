@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator, Sequence
 import aiohttp
 
 from events.messages import RouteEntry
+from events.tunnel import HOP_BY_HOP
 
 from .base import (
-    HOP_BY_HOP,
     ConnectFailed,
     FirstByteTimeout,
     ResetBeforeHead,
