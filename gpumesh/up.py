@@ -150,6 +150,9 @@ async def _spawn_agent(
     try:
         return await asyncio.create_subprocess_exec(
             sys.executable,
+            # -P: the user's working directory is not on the agent's import path, so a stray
+            # `nats.py` (or the like) there cannot shadow a real package.
+            "-P",
             "-m",
             "gpumesh",
             "agent",
