@@ -143,3 +143,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Expected failures (no log, full disk, no NATS, a bad spec) are one line, no traceback.
         print(f"gpumesh: error: {exc}", file=sys.stderr)
         return 1
+    except BaseExceptionGroup as group:
+        # The same failure raised inside a TaskGroup (`gpumesh up`) arrives wrapped.
+        expected, rest = group.split(_user_errors())
+        if expected is None or rest is not None:
+            raise
+        print(f"gpumesh: error: {_first_leaf(expected)}", file=sys.stderr)
+        return 1
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    leaf: BaseException = group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf

@@ -116,7 +116,7 @@ async def run_up(args: argparse.Namespace) -> int:
                     say(f"gateway serving on {gateway.url} ({args.transport} transport)")
                 for i in range(args.nodes):
                     agents.append(await _spawn_agent(url, i, args, logs))
-                await _wait_nodes(controller, args.nodes, stop)
+                await _wait_nodes(controller, args.nodes, stop, agents, logs)
                 if args.demo and not stop.is_set():
                     await _demo(bus, controller, stop)
                 _summary(args, url, controller, gateway.url if gateway else "")
@@ -179,9 +179,24 @@ async def _spawn_agent(
         log.close()
 
 
-async def _wait_nodes(controller: Any, wanted: int, stop: asyncio.Event) -> None:
+async def _wait_nodes(
+    controller: Any,
+    wanted: int,
+    stop: asyncio.Event,
+    agents: list[asyncio.subprocess.Process],
+    logs: Path,
+) -> None:
     seen = -1
     while not stop.is_set():
+        for index, proc in enumerate(agents):
+            if proc.returncode is not None:
+                # It will never register: say so instead of waiting forever.
+                from actors.cli import CommandFailed
+
+                raise CommandFailed(
+                    f"agent node-{index} exited with code {proc.returncode} before registering; "
+                    f"see {logs / f'agent-node-{index}.log'}"
+                )
         count = len(controller.live.state.nodes.nodes)
         if count != seen:
             _progress(f"nodes registered: {count}/{wanted}")

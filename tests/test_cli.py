@@ -179,3 +179,21 @@ def test_an_unwritable_read_model_is_one_line_and_spares_the_log(
     assert "the event log is untouched" in err
     with sqlite3.connect(tmp_path / "events.db") as db:
         assert db.execute("SELECT count(*) FROM events").fetchone() == (300,)
+
+
+def test_a_user_error_raised_inside_a_task_group_is_still_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpumesh up` runs in a TaskGroup: an agent that dies before registering (here, a bad
+    fake-GPU spec) surfaces wrapped in an ExceptionGroup, and must still read as one line."""
+    code, _, err = run(
+        capsys, "--data-dir", str(tmp_path), "up", "--nodes", "1", "--fake-gpus", "bogus",
+        "--gateway", "127.0.0.1:0",
+    )  # fmt: skip
+    lines = [line for line in err.splitlines() if line.startswith("gpumesh: error:")]
+    assert code == 1
+    assert lines == [
+        "gpumesh: error: agent node-0 exited with code 2 before registering; "
+        f"see {tmp_path / 'logs' / 'agent-node-0.log'}"
+    ]
+    assert "Traceback" not in err
