@@ -33,6 +33,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help="NATS server or cluster to use (default: the local stack's, found "
         "through the data directory)",
     )
+    add_creds_argument(nats, "admin")
     common = [*parents, nats]
 
     ctl = commands.add_parser(
@@ -44,6 +45,13 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         "nats-server (JetStream, loopback only) in the data directory.",
     )
     ctl.add_argument("--nats", metavar="URL", help="join this NATS server instead of starting one")
+    add_creds_argument(ctl, "controller")
+    ctl.add_argument(
+        "--insecure",
+        action="store_true",
+        help="start the embedded nats-server without TLS and credentials even when "
+        "`gpumesh certs init` has run (loopback only)",
+    )
     ctl.add_argument(
         "--compact-heartbeats-after",
         type=float,
@@ -119,6 +127,28 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     nodes.set_defaults(handler=list_nodes)
 
 
+def add_creds_argument(parser: argparse.ArgumentParser, identity: str) -> None:
+    parser.add_argument(
+        "--nats-creds",
+        type=Path,
+        metavar="FILE",
+        help="this process's NATS credentials (`gpumesh certs issue`/`gpumesh node issue` "
+        f"write them); default: the data directory's '{identity}' credentials when the local "
+        "NATS is secured",
+    )
+
+
+def credentials(args: argparse.Namespace, url: str, identity: str) -> Any:
+    """The Credentials to connect with, or None; a bad file is a CommandFailed."""
+    from .nats_access import CredentialsError
+    from .stack import credentials_for
+
+    try:
+        return credentials_for(args.data_dir, url, identity, getattr(args, "nats_creds", None))
+    except CredentialsError as exc:
+        raise CommandFailed(str(exc)) from None
+
+
 def _health_args(parser: argparse.ArgumentParser) -> None:
     d = HealthPolicy()
     parser.add_argument(
@@ -167,14 +197,20 @@ def health_policy(args: argparse.Namespace) -> HealthPolicy:
 
 
 @contextlib.asynccontextmanager
-async def nats_for(data_dir: Path, url: str | None) -> AsyncIterator[str]:
-    """Yield a NATS URL: the given one, or an embedded server's that lives for the block."""
+async def nats_for(data_dir: Path, url: str | None, *, secure: bool = True) -> AsyncIterator[str]:
+    """Yield a NATS URL: the given one, or an embedded server's that lives for the block.
+
+    The embedded server requires TLS and NKEY credentials when the data directory has them
+    (`gpumesh certs init`) and `secure` is true; its URL then starts with tls://."""
     if url:
         yield url
         return
+    from .nats_access import SecurityLayout
     from .nats_server import EmbeddedNats
 
-    async with EmbeddedNats(data_dir / "nats") as server:
+    layout = SecurityLayout(data_dir)
+    config = layout.server_config if secure and layout.initialised else None
+    async with EmbeddedNats(data_dir / "nats", config_file=config) as server:
         write_nats_url(data_dir, server.url)
         try:
             yield server.url
@@ -192,8 +228,10 @@ async def run_controller(args: argparse.Namespace) -> int:
     from .real_env import real_env
 
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    async with nats_for(args.data_dir, args.nats) as url:
-        bus = await NatsBus.connect(url, name="gpumesh-controller")
+    async with nats_for(args.data_dir, args.nats, secure=not args.insecure) as url:
+        bus = await NatsBus.connect(
+            url, name="gpumesh-controller", credentials=credentials(args, url, "controller")
+        )
         store = await SqliteEventStore.open(args.events_db)
         try:
             commands = await JetStreamCommandQueue.create(bus)
@@ -233,7 +271,9 @@ async def call(args: argparse.Namespace, verb: str, body: object) -> Any:
     from .nats_bus import NatsBus
 
     url = find_nats_url(args.data_dir, getattr(args, "nats", None))
-    bus = await NatsBus.connect(url, name="gpumesh-cli")
+    bus = await NatsBus.connect(
+        url, name="gpumesh-cli", credentials=credentials(args, url, "admin")
+    )
     try:
         raw = await bus.request(subjects.api(verb), msgspec.json.encode(body), timeout=30.0)
     except NoResponders:

@@ -9,6 +9,7 @@ replays its subscriptions, so a restarted server is survived without the caller 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final
 
@@ -22,6 +23,7 @@ from nats.js.api import StreamConfig, StreamInfo
 from nats.js.errors import BadRequestError
 
 from .env import BusError, Msg, NoResponders, RequestTimeout
+from .nats_access import Credentials, secure_url
 
 log = structlog.get_logger("gpumesh.nats")
 
@@ -33,6 +35,8 @@ _STREAM_CONFIG_DIFFERS: Final = 10058
 # Messages buffered per subscription for a consumer that lags; beyond that they are dropped and
 # counted, as a NATS server does to a slow consumer, rather than buffered without bound.
 DEFAULT_PENDING_LIMIT: Final = 65_536
+# Consecutive refusals of a once-accepted connection's credentials that mean "revoked".
+REFUSALS_MEANING_REVOKED: Final = 3
 
 
 class BusUnavailable(BusError):
@@ -42,6 +46,13 @@ class BusUnavailable(BusError):
         self.url = url
         self.reason = reason
         super().__init__(f"cannot reach NATS at {url}: {reason}")
+
+
+def _is_refusal(exc: BaseException) -> bool:
+    # nats-py reports a refused reconnect as a plain Error carrying the server's -ERR text.
+    return isinstance(exc, nats.errors.AuthorizationError) or (
+        "authorization violation" in str(exc).lower()
+    )
 
 
 def describe(exc: BaseException, *, timeout: float | None = None) -> str:
@@ -161,6 +172,8 @@ class NatsBus:
         self._subscribe_timeout = 2.0
         self.reconnects = 0
         self.disconnects = 0
+        self._refusals = 0
+        self.credentials_refused = asyncio.Event()
 
     @classmethod
     async def connect(
@@ -171,15 +184,25 @@ class NatsBus:
         connect_timeout: float = 2.0,
         reconnect_wait: float = 0.5,
         drain_timeout: float = 5.0,
+        credentials: Credentials | None = None,
     ) -> NatsBus:
-        """Connect once, failing fast with BusUnavailable; after that, reconnect forever."""
+        """Connect once, failing fast with BusUnavailable; after that, reconnect forever.
+
+        `credentials`: this identity's NKEY and the CA to trust (a secured server: TLS and
+        per-role permissions); None for a server without authentication."""
         client = Client()
+        secured: dict[str, Any] = {}
+        if credentials is not None:
+            secured = credentials.connect_options()
+            url = secure_url(url)
         first_errors: list[BaseException] = []
         bus: NatsBus | None = None
 
         async def on_error(exc: Exception) -> None:
             if bus is None:
                 first_errors.append(exc)
+            elif _is_refusal(exc):
+                bus._note_refusal(exc)
             elif isinstance(exc, nats.errors.SlowConsumerError):
                 log.warning("nats_slow_consumer", subject=exc.subject, name=name)
             elif isinstance(exc, OSError | TimeoutError | nats.errors.StaleConnectionError):
@@ -196,6 +219,7 @@ class NatsBus:
 
         async def on_reconnected() -> None:
             if bus is not None:
+                bus._refusals = 0
                 bus.reconnects += 1
                 log.info("nats_reconnected", url=url, name=name, reconnects=bus.reconnects)
                 bus._reconnected.set()
@@ -205,27 +229,37 @@ class NatsBus:
 
         # nats-py either gives up at once or retries forever, for the first connection as for
         # later ones. We want both: fail fast now (one retry, no wait), then retry forever.
+        deadline = connect_timeout * 3 + 1.0
         try:
-            await client.connect(
-                servers=[url],
-                name=name,
-                connect_timeout=connect_timeout,  # type: ignore[arg-type]
-                allow_reconnect=False,
-                max_reconnect_attempts=1,
-                reconnect_time_wait=0,
-                drain_timeout=drain_timeout,  # type: ignore[arg-type]
-                error_cb=on_error,
-                disconnected_cb=on_disconnected,
-                reconnected_cb=on_reconnected,
-                closed_cb=on_closed,
-            )
+            # nats-py bounds each step by connect_timeout but not the whole: a plain nats://
+            # client meeting a server that requires TLS was seen waiting forever.
+            async with asyncio.timeout(deadline):
+                await client.connect(
+                    servers=[url],
+                    name=name,
+                    connect_timeout=connect_timeout,  # type: ignore[arg-type]
+                    allow_reconnect=False,
+                    max_reconnect_attempts=1,
+                    reconnect_time_wait=0,
+                    drain_timeout=drain_timeout,  # type: ignore[arg-type]
+                    error_cb=on_error,
+                    disconnected_cb=on_disconnected,
+                    reconnected_cb=on_reconnected,
+                    closed_cb=on_closed,
+                    **secured,
+                )
         except (OSError, TimeoutError, nats.errors.Error) as exc:
             cause = first_errors[0] if first_errors else exc
             try:
-                await client.close()
-            except nats.errors.Error:
+                # Bounded: after a failed TLS upgrade nats-py's close() was seen never to end.
+                async with asyncio.timeout(connect_timeout):
+                    await client.close()
+            except (nats.errors.Error, TimeoutError):
                 pass  # never connected: nothing to close
-            raise BusUnavailable(url, describe(cause, timeout=connect_timeout)) from cause
+            reason = describe(cause, timeout=connect_timeout)
+            if credentials is None and isinstance(cause, TimeoutError):
+                reason += " (if that server requires TLS and credentials, pass --nats-creds)"
+            raise BusUnavailable(url, reason) from cause
         client.options["allow_reconnect"] = True
         client.options["max_reconnect_attempts"] = -1
         client.options["reconnect_time_wait"] = reconnect_wait
@@ -235,6 +269,14 @@ class NatsBus:
         )
         log.debug("nats_connected", url=url, name=name)
         return bus
+
+    def _note_refusal(self, exc: Exception) -> None:
+        # One refusal can be a server reloading its configuration; several in a row, after
+        # this connection was once accepted, mean this identity was revoked.
+        self._refusals += 1
+        log.warning("nats_credentials_refused", url=self.url, name=self.name, error=describe(exc))
+        if self._refusals >= REFUSALS_MEANING_REVOKED:
+            self.credentials_refused.set()
 
     @property
     def client(self) -> Client:
@@ -346,9 +388,12 @@ class NatsBus:
                 await self._nc.drain()
             else:
                 await self._nc.close()
-        except nats.errors.Error as exc:
+        except (nats.errors.Error, OSError) as exc:
+            # A connection the server cut (a revoked identity, a reset) has nothing left to
+            # drain; closing must still end everything here rather than raise at shutdown.
             log.debug("nats_close_error", url=self.url, error=describe(exc))
-            await self._nc.close()
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await self._nc.close()
         for sub in list(self._subscriptions):
             sub._end()
         self._subscriptions.clear()

@@ -22,6 +22,7 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    PubAck,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -104,8 +105,10 @@ class JetStreamCommandQueue:
         poll_interval: float,
         request_timeout: float,
         max_age: float,
+        manage_stream: bool = True,
     ) -> None:
         self._bus = bus
+        self.manage_stream = manage_stream
         self._js: JetStreamContext = bus.jetstream(timeout=request_timeout)
         self.ack_wait = ack_wait
         self.poll_interval = poll_interval
@@ -121,18 +124,25 @@ class JetStreamCommandQueue:
         poll_interval: float = 5.0,
         request_timeout: float = 5.0,
         max_age: float = DEFAULT_MAX_AGE_S,
+        manage_stream: bool = True,
     ) -> JetStreamCommandQueue:
         """Ensure the commands stream exists. `ack_wait`: seconds before an unacknowledged
         command is delivered again; `poll_interval`: how long one pull waits on the server, which
-        bounds how late a consumer notices that a restarted server lost its pending pull."""
+        bounds how late a consumer notices that a restarted server lost its pending pull.
+
+        `manage_stream=False` is for node agents: the stream is the controller's to create and
+        configure (a node's NATS permissions do not allow it), so the agent only binds its own
+        consumer and waits, retrying, until the stream exists."""
         queue = cls(
             bus,
             ack_wait=ack_wait,
             poll_interval=poll_interval,
             request_timeout=request_timeout,
             max_age=max_age,
+            manage_stream=manage_stream,
         )
-        await queue.ensure_stream()
+        if manage_stream:
+            await queue.ensure_stream()
         return queue
 
     def stream_config(self) -> StreamConfig:
@@ -156,13 +166,15 @@ class JetStreamCommandQueue:
         command_id within the duplicate window is acknowledged and stored nothing."""
         subject = subjects.command(_checked(node_id))
         try:
-            ack = await self._js.publish(
-                subject,
-                _encoder.encode(command),
-                timeout=self.request_timeout,
-                stream=subjects.COMMANDS_STREAM,
-                headers={"Nats-Msg-Id": command.command_id},
-            )
+            try:
+                ack = await self._publish(subject, command)
+            except NoStreamResponseError:
+                if not self.manage_stream:
+                    raise
+                # A server restarted on an empty store lost the stream; agents no longer create
+                # it (they may not), so the sender does, once.
+                await self.ensure_stream()
+                ack = await self._publish(subject, command)
         except NoStreamResponseError:
             raise BusError(f"no JetStream stream captures {subject}") from None
         except nats.errors.TimeoutError:
@@ -171,6 +183,15 @@ class JetStreamCommandQueue:
             raise BusError(f"send of {command.command_id} failed: {describe(exc)}") from exc
         if ack.duplicate:
             log.debug("command_duplicate", node_id=node_id, command_id=command.command_id)
+
+    async def _publish(self, subject: str, command: Command) -> PubAck:
+        return await self._js.publish(
+            subject,
+            _encoder.encode(command),
+            timeout=self.request_timeout,
+            stream=subjects.COMMANDS_STREAM,
+            headers={"Nats-Msg-Id": command.command_id},
+        )
 
     def consume(self, node_id: str) -> AsyncGenerator[JetStreamDelivery, None]:
         """Deliver `node_id`'s commands, oldest unacknowledged first, until closed.
@@ -214,7 +235,8 @@ class JetStreamCommandQueue:
                 await _unsubscribe(pull)
 
     async def _bind(self, node_id: str) -> JetStreamContext.PullSubscription:
-        await self.ensure_stream()
+        if self.manage_stream:
+            await self.ensure_stream()
         config = ConsumerConfig(
             name=consumer_name(node_id),
             durable_name=consumer_name(node_id),

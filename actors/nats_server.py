@@ -60,10 +60,15 @@ class EmbeddedNats:
         binary: Path | None = None,
         ready_timeout: float = 10.0,
         stop_timeout: float = 5.0,
+        config_file: Path | None = None,
     ) -> None:
+        """`config_file`: a nats.conf that requires TLS and NKEY users (gpumesh/security
+        writes it); the URL then starts with tls://. Host, port and JetStream stay flags."""
         self.store_dir = Path(store_dir)
         self.host = host
         self.log_path = self.store_dir / "nats-server.log"
+        self.pid_file = self.store_dir / "nats-server.pid"
+        self.config_file = config_file
         self._port = port
         self._binary = binary
         self._ready_timeout = ready_timeout
@@ -79,7 +84,8 @@ class EmbeddedNats:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        scheme = "tls" if self.config_file is not None else "nats"
+        return f"{scheme}://{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -116,7 +122,10 @@ class EmbeddedNats:
             "-p", str(self._port or -1),
             "-js",
             "-sd", str(self.store_dir),
+            "-P", str(self.pid_file),
         ]  # fmt: skip
+        if self.config_file is not None:
+            args += ["-c", str(self.config_file)]
         try:
             process = await asyncio.create_subprocess_exec(
                 str(binary),
@@ -140,6 +149,13 @@ class EmbeddedNats:
             raise
         self._port = port
         log.debug("nats_server_started", url=self.url, pid=process.pid, store=str(self.store_dir))
+
+    def reload(self) -> None:
+        """Re-read the configuration file (SIGHUP): new users are let in, and the connections
+        of users no longer in it are closed."""
+        if self._process is None or self._process.returncode is not None:
+            raise NatsServerError("nats-server is not running: nothing to reload")
+        self._process.send_signal(signal.SIGHUP)
 
     async def stop(self) -> None:
         """SIGTERM, wait, then SIGKILL if it will not go. Safe to call twice."""

@@ -38,6 +38,13 @@ def add_arguments(gw: argparse.ArgumentParser) -> None:
         help="NATS to follow (default: the local stack's, found through the data directory)",
     )
     gw.add_argument(
+        "--nats-creds",
+        type=Path,
+        metavar="FILE",
+        help="the gateway's NATS credentials (`gpumesh certs issue --role gateway NAME`); "
+        "default: the data directory's 'gateway' credentials when the local NATS is secured",
+    )
+    gw.add_argument(
         "--listen",
         default=f"127.0.0.1:{DEFAULT_PORT}",
         metavar="HOST:PORT",
@@ -147,7 +154,7 @@ def config_from(args: argparse.Namespace) -> Any:
 async def run_gateway(args: argparse.Namespace) -> int:
     import sys
 
-    from actors.cli import CommandFailed, run_until_stopped
+    from actors.cli import CommandFailed, credentials, run_until_stopped
     from actors.nats_bus import NatsBus
     from actors.real_env import LoopClock, seeded_rng_factory
 
@@ -160,7 +167,11 @@ async def run_gateway(args: argparse.Namespace) -> int:
     except (ValueError, KeyFileError) as exc:
         raise CommandFailed(str(exc)) from None
     url = find_nats_url(args.data_dir, args.nats)
-    bus = await NatsBus.connect(url, name=f"gpumesh-gateway-{config.gateway_id}")
+    bus = await NatsBus.connect(
+        url,
+        name=f"gpumesh-gateway-{config.gateway_id}",
+        credentials=credentials(args, url, "gateway"),
+    )
     try:
         rng = seeded_rng_factory(int.from_bytes(os.urandom(8), "big"))("gateway")
         gateway = Gateway(bus, config, keys, clock=LoopClock(), rng=rng)

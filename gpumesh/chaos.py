@@ -94,6 +94,8 @@ _VALUED = {"--data-dir", "--log-level", "--log-format"}  # common options before
 
 
 def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
+    from actors.cli import add_creds_argument
+
     chaos = commands.add_parser(
         "chaos",
         parents=list(parents),
@@ -113,6 +115,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         metavar="URL",
         help="the stack's NATS (default: the URL `gpumesh up` wrote in the data directory)",
     )
+    add_creds_argument(chaos, "admin")
     chaos.add_argument(
         "--gateway",
         default="http://127.0.0.1:8080",
@@ -1199,7 +1202,7 @@ def _gateway_url(text: str) -> str:
 
 
 async def run_chaos(args: argparse.Namespace) -> int:
-    from actors.cli import CommandFailed
+    from actors.cli import CommandFailed, credentials
     from actors.nats_bus import NatsBus
     from actors.stack import find_nats_url
     from sim.cli import git_commit
@@ -1216,7 +1219,9 @@ async def run_chaos(args: argparse.Namespace) -> int:
     gateway = _gateway_url(args.gateway)
     if args.dry_run:
         return await _dry_run(args, scenario, path, url, gateway)
-    bus = await NatsBus.connect(url, name="gpumesh-chaos")
+    bus = await NatsBus.connect(
+        url, name="gpumesh-chaos", credentials=credentials(args, url, "admin")
+    )
     run: ChaosRun | None = None
     try:
         run = ChaosRun(

@@ -100,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     from . import chaos
 
     chaos.register(commands, [common])
+
+    from .security import cli as security_cli
+
+    security_cli.register(commands, [common])
     return parser
 
 
@@ -107,6 +111,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Failures a user can act on: printed as one line, no traceback."""
     from actors.cli import CommandFailed
     from actors.env import BusError
+    from actors.nats_access import CredentialsError
     from actors.nats_server import NatsServerError
     from actors.spec import SpecError
     from projections.projector import ReadModelError
@@ -118,6 +123,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         CommandFailed,
         BusError,
         NatsServerError,
+        CredentialsError,
         SpecError,
         ReadModelError,
         ScenarioError,

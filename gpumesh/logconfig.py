@@ -58,6 +58,18 @@ def configure_logging(
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
+    asyncio_log = logging.getLogger("asyncio")
+    if not any(isinstance(f, _SslEofNoise) for f in asyncio_log.filters):
+        asyncio_log.addFilter(_SslEofNoise())
+
+
+class _SslEofNoise(logging.Filter):
+    """nats-py's protocol answers True to eof_received(), which asyncio's TLS transport ignores
+    and warns about on every closed TLS connection to NATS: harmless, and it would drown the
+    warnings that matter."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
 
 
 def get_logger(name: str = "gpumesh", **context: Any) -> Any:

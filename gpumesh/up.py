@@ -62,6 +62,12 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help="how the gateway reaches replicas (default direct; overlay tunnels over NATS)",
     )
     up.add_argument("--keys", type=Path, metavar="FILE", help="the gateway's API key file")
+    up.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run the embedded NATS without TLS and per-node credentials (by default `up` "
+        "creates a CA and one NKEY identity per process in DATA_DIR/security)",
+    )
     up.set_defaults(handler=run_up)
 
 
@@ -75,7 +81,7 @@ def demo_spec() -> ClusterSpec:
 
 
 async def run_up(args: argparse.Namespace) -> int:
-    from actors.cli import health_policy, nats_for
+    from actors.cli import credentials, health_policy, nats_for
     from actors.controller import Controller, ControllerConfig
     from actors.health import HealthPolicy
     from actors.nats_bus import NatsBus
@@ -88,9 +94,14 @@ async def run_up(args: argparse.Namespace) -> int:
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     say = _progress
-    async with nats_for(data_dir, args.nats) as url:
+    secure = not args.insecure and not args.nats
+    if secure:
+        _secure(data_dir, args.nodes)
+    async with nats_for(data_dir, args.nats, secure=secure) as url:
         say(f"NATS ready at {url}")
-        bus = await NatsBus.connect(url, name="gpumesh-up")
+        bus = await NatsBus.connect(
+            url, name="gpumesh-up", credentials=credentials(args, url, "controller")
+        )
         store = await SqliteEventStore.open(args.events_db)
         agents: list[asyncio.subprocess.Process] = []
         try:
@@ -137,6 +148,35 @@ async def run_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _secure(data_dir: Path, nodes: int) -> None:
+    """A CA, the server's certificate and one identity per process, created once and reused."""
+    from actors.cli import CommandFailed
+    from actors.nats_access import SecurityLayout
+    from gpumesh.security import identities
+
+    layout = SecurityLayout(data_dir)
+    try:
+        created = identities.init(layout)
+        registry = identities.load_registry(layout)
+        for index in range(nodes):
+            node_id = f"node-{index}"
+            found = registry.find(node_id)
+            if found is None:
+                created.append(str(identities.issue(layout, node_id, "node")))
+            elif found.revoked_at:
+                raise CommandFailed(
+                    f"{node_id} was revoked at {found.revoked_at}; start fewer --nodes or use "
+                    "another --data-dir"
+                )
+    except identities.SecurityError as exc:
+        raise CommandFailed(str(exc)) from None
+    if created:
+        _progress(
+            f"security: created {len(created)} files in {layout.root} (CA, certificates, "
+            "credentials)"
+        )
+
+
 def _progress(text: str) -> None:
     print(f"gpumesh up: {text}", file=sys.stderr, flush=True)
 
@@ -144,7 +184,11 @@ def _progress(text: str) -> None:
 async def _spawn_agent(
     url: str, index: int, args: argparse.Namespace, logs: Path
 ) -> asyncio.subprocess.Process:
+    from actors.nats_access import SecurityLayout
+
     node_id = f"node-{index}"
+    creds = SecurityLayout(args.data_dir).creds(node_id)
+    secured = ["--nats-creds", str(creds)] if url.startswith("tls://") else []
     # Opening a local log file is instant; the child inherits the descriptor.
     log: IO[bytes] = open(logs / f"agent-{node_id}.log", "ab")  # noqa: SIM115, ASYNC230
     try:
@@ -158,6 +202,7 @@ async def _spawn_agent(
             "agent",
             "--nats",
             url,
+            *secured,
             "--node-id",
             node_id,
             "--fake-gpus",
@@ -269,7 +314,12 @@ def _summary(args: argparse.Namespace, url: str, controller: Any, gateway_url: s
     lines = [
         "",
         "gpumesh is up.",
-        f"  NATS:        {url}  (no credentials: loopback only)",
+        f"  NATS:        {url}  "
+        + (
+            f"(TLS; one NKEY identity per process in {args.data_dir / 'security'})"
+            if url.startswith("tls://")
+            else "(no credentials: loopback only)"
+        ),
         f"  data dir:    {args.data_dir}",
         f"  logs:        {args.data_dir / 'logs'}",
         "  try:         gpumesh nodes   |   gpumesh cluster list   |   gpumesh events tail -f",

@@ -15,7 +15,7 @@ import socket
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -47,6 +47,14 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         "agent running with --fake-gpus.",
     )
     agent.add_argument("--nats", metavar="URL", help=_NATS_HELP)
+    agent.add_argument(
+        "--nats-creds",
+        type=Path,
+        metavar="FILE",
+        help="this node's NATS credentials (`gpumesh node issue ID` writes them: one file "
+        "with the node's key and the CA); default: the data directory's, when the local "
+        "NATS is secured",
+    )
     agent.add_argument("--node-id", metavar="ID", help="this node's id ([A-Za-z0-9_-]); required")
     agent.add_argument(
         "--fake-gpus",
@@ -100,6 +108,13 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
     fault.add_argument("--gpu", type=int, default=-1, help="GPU index (default: every GPU)")
     # SUPPRESS: `agent --nats X fault ...` keeps X instead of this parser's default.
     fault.add_argument("--nats", metavar="URL", default=argparse.SUPPRESS, help=_NATS_HELP)
+    fault.add_argument(
+        "--nats-creds",
+        type=Path,
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="NATS credentials allowed to send faults (default: the data directory's 'admin')",
+    )
     fault.add_argument("--timeout", type=float, default=5.0, metavar="S")
     fault.set_defaults(handler=send_fault)
 
@@ -144,6 +159,17 @@ def _nats_url(args: argparse.Namespace) -> str:
     from actors.stack import find_nats_url
 
     return find_nats_url(Path(getattr(args, "data_dir", None) or "."), getattr(args, "nats", None))
+
+
+_T = TypeVar("_T")
+
+
+def _credentials(args: argparse.Namespace, url: str, identity: str) -> Any:
+    """Raises CredentialsError (one line) for a missing or malformed file."""
+    from actors.stack import credentials_for
+
+    data_dir = Path(getattr(args, "data_dir", None) or ".")
+    return credentials_for(data_dir, url, identity, getattr(args, "nats_creds", None))
 
 
 def _agent_version() -> str:
@@ -225,6 +251,7 @@ async def _open_driver(args: argparse.Namespace) -> Any:
 
 
 async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driver: Any) -> int:
+    from actors.nats_access import CredentialsError
     from actors.nats_bus import BusUnavailable, NatsBus
     from actors.nats_commands import JetStreamCommandQueue
     from actors.real_env import real_env
@@ -234,28 +261,53 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
 
     url = _nats_url(args)
     try:
-        bus = await NatsBus.connect(url, name=f"gpumesh-agent-{config.node_id}")
-    except BusUnavailable as exc:
+        creds = _credentials(args, url, config.node_id)
+        bus = await NatsBus.connect(url, name=f"gpumesh-agent-{config.node_id}", credentials=creds)
+    except (BusUnavailable, CredentialsError) as exc:
         _error(str(exc))
         return 1
     try:
-        commands = await JetStreamCommandQueue.create(bus)
+        # The commands stream is the controller's to create: a node may only bind its own
+        # consumer (docs/security.md).
+        commands = await JetStreamCommandQueue.create(bus, manage_stream=False)
         # The agent keeps no events of its own; the Env's store is a placeholder.
         env = real_env(MemoryEventStore(), bus=bus)
         agent = Agent(env, commands, probe, driver, config)
         bus.add_reconnect_callback(agent.on_reconnect)
-        await run_until_signal(agent.run(), force=agent.force_stop)
+        revoked = await run_until_signal(
+            _until_refused(agent.run(), bus.credentials_refused), force=agent.force_stop
+        )
     except BusError as exc:
         _error(f"NATS at {url}: {exc}")
         return 1
     finally:
         await bus.close()
+    if revoked:
+        _error(
+            f"NATS at {url} refuses node {config.node_id}'s credentials (revoked?): its "
+            "replicas are stopped and the agent exits"
+        )
+        return 1
     return 0
 
 
+async def _until_refused(main: Coroutine[Any, Any, None], refused: asyncio.Event) -> bool:
+    """Run `main` until it ends, or until the server keeps refusing our credentials: a revoked
+    node must stop serving, so `main` is cancelled, which stops its workloads. True if so."""
+    async with asyncio.TaskGroup() as group:
+        work = group.create_task(main, name="agent")
+        watch = group.create_task(refused.wait(), name="credentials-watch")
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done():
+            work.cancel()
+            return True
+        watch.cancel()
+        return False
+
+
 async def run_until_signal(
-    main: Coroutine[Any, Any, None], *, force: Callable[[], None] | None = None
-) -> None:
+    main: Coroutine[Any, Any, _T], *, force: Callable[[], None] | None = None
+) -> _T | None:
     """Run `main` until it returns, or until SIGTERM/SIGINT cancels it; a second signal calls
     `force` (the agent then kills the workloads it is still stopping gracefully)."""
     loop = asyncio.get_running_loop()
@@ -271,9 +323,11 @@ async def run_until_signal(
 
         with install_signal_handlers(loop, first, second):
             await asyncio.wait({task})
+    return None if task.cancelled() else task.result()
 
 
 async def send_fault(args: argparse.Namespace) -> int:
+    from actors.nats_access import CredentialsError
     from actors.nats_bus import BusUnavailable, NatsBus
 
     if not valid_id(args.node):
@@ -282,8 +336,10 @@ async def send_fault(args: argparse.Namespace) -> int:
     fault = Fault(kind=args.kind, value=args.value, gpu=args.gpu)
     url = _nats_url(args)
     try:
-        bus = await NatsBus.connect(url, name="gpumesh-fault")
-    except BusUnavailable as exc:
+        bus = await NatsBus.connect(
+            url, name="gpumesh-fault", credentials=_credentials(args, url, "admin")
+        )
+    except (BusUnavailable, CredentialsError) as exc:
         _error(str(exc))
         return 1
     try:

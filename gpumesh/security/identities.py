@@ -1,0 +1,198 @@
+"""The identities a stack has issued, and the nats-server configuration rendered from them.
+
+`identities.json` is the registry (public keys, roles, revocations: no secrets); each
+identity's seed goes only into its own credentials file. Every change rewrites `nats.conf`
+from the registry, so the file never holds an identity the registry does not, and a running
+server picks the change up on reload (SIGHUP): a revoked identity's connections are closed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import nkeys
+
+from actors.nats_access import (
+    Credentials,
+    Role,
+    SecurityLayout,
+    inbox_prefix,
+)
+from events.ids import valid_id
+
+from . import pki
+from .roles import RESPONSE_EXPIRES, RESPONSE_MAX_MSGS, permissions
+
+# Who runs a local stack, issued by `certs init`: the controller process, the operator's CLI,
+# and a stand-alone gateway.
+BUILTIN: tuple[tuple[str, Role], ...] = (
+    ("controller", "controller"),
+    ("admin", "admin"),
+    ("gateway", "gateway"),
+)
+
+
+class SecurityError(Exception):
+    """A one-line, user-facing failure of a security command."""
+
+
+class Identity(msgspec.Struct, frozen=True):
+    name: str
+    role: Role
+    public_key: str
+    issued_at: str
+    revoked_at: str = ""
+
+
+class Registry(msgspec.Struct):
+    identities: list[Identity] = msgspec.field(default_factory=list)
+    version: int = 1
+
+    def find(self, name: str) -> Identity | None:
+        for identity in self.identities:
+            if identity.name == name:
+                return identity
+        return None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def load_registry(layout: SecurityLayout) -> Registry:
+    if not layout.identities.exists():
+        return Registry()
+    try:
+        return msgspec.json.decode(layout.identities.read_bytes(), type=Registry)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise SecurityError(f"{layout.identities} is damaged: {exc}") from None
+
+
+def _save_registry(layout: SecurityLayout, registry: Registry) -> None:
+    pki.write_private(layout.identities, msgspec.json.format(msgspec.json.encode(registry)))
+
+
+def init(layout: SecurityLayout, hosts: Sequence[str] = pki.DEFAULT_HOSTS) -> list[str]:
+    """Create what is missing (CA, server certificate, built-in identities, nats.conf) and
+    return what was created; existing keys are never replaced."""
+    created: list[str] = []
+    layout.root.mkdir(parents=True, exist_ok=True)
+    os.chmod(layout.root, 0o700)
+    if not layout.ca_cert.exists():
+        pki.create_ca(layout.ca_cert, layout.ca_key)
+        created.append(str(layout.ca_cert))
+    if not layout.server_cert.exists():
+        pki.create_server_cert(
+            layout.ca_cert, layout.ca_key, layout.server_cert, layout.server_key, hosts
+        )
+        created.append(str(layout.server_cert))
+    for name, role in BUILTIN:
+        if load_registry(layout).find(name) is None:
+            created.append(str(issue(layout, name, role)))
+    if not layout.server_config.exists():
+        render_server_config(layout)
+        created.append(str(layout.server_config))
+    return created
+
+
+def issue(layout: SecurityLayout, name: str, role: Role, *, out: Path | None = None) -> Path:
+    """A new identity: its credentials file (returned), its line in the registry and in
+    nats.conf. A name is issued once; a revoked name stays revoked."""
+    if not valid_id(name):
+        raise SecurityError(f"invalid identity name {name!r}: use 1-128 of [A-Za-z0-9_-]")
+    if not layout.ca_cert.exists():
+        raise SecurityError(f"no CA in {layout.root}: run `gpumesh certs init` first")
+    registry = load_registry(layout)
+    existing = registry.find(name)
+    if existing is not None:
+        state = "revoked" if existing.revoked_at else "issued"
+        raise SecurityError(f"identity {name!r} is already {state} ({existing.role})")
+    pair = nkeys.from_seed(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+    seed = pair.seed.decode()
+    public_key = pair.public_key.decode()
+    creds = Credentials(
+        name=name,
+        role=role,
+        seed=seed,
+        public_key=public_key,
+        inbox_prefix=inbox_prefix(role, name),
+        ca_pem=layout.ca_cert.read_text(),
+    )
+    path = out if out is not None else layout.creds(name)
+    pki.write_private(path, msgspec.json.format(msgspec.json.encode(creds)))
+    registry.identities.append(
+        Identity(name=name, role=role, public_key=public_key, issued_at=_now())
+    )
+    _save_registry(layout, registry)
+    render_server_config(layout)
+    return path
+
+
+def revoke(layout: SecurityLayout, name: str) -> Identity:
+    registry = load_registry(layout)
+    found = registry.find(name)
+    if found is None:
+        raise SecurityError(f"no identity {name!r} was issued in {layout.root}")
+    if found.revoked_at:
+        return found
+    revoked = msgspec.structs.replace(found, revoked_at=_now())
+    registry.identities = [revoked if i.name == name else i for i in registry.identities]
+    _save_registry(layout, registry)
+    render_server_config(layout)
+    layout.creds(name).unlink(missing_ok=True)
+    return revoked
+
+
+def render_server_config(layout: SecurityLayout) -> None:
+    """nats.conf: TLS required of every client, and one NKEY user per live identity.
+
+    The NATS configuration format accepts JSON, so it is written with a JSON encoder: no
+    quoting mistakes, and `$JS.API...` subjects stay strings rather than variables."""
+    users = []
+    for identity in load_registry(layout).identities:
+        if identity.revoked_at:
+            continue
+        user: dict[str, object] = {"nkey": identity.public_key}
+        allowed = permissions(identity.role, identity.name)
+        if allowed is not None:
+            perms: dict[str, object] = {
+                "publish": {"allow": list(allowed.publish)},
+                "subscribe": {"allow": list(allowed.subscribe)},
+            }
+            if allowed.responses:
+                perms["allow_responses"] = {"max": RESPONSE_MAX_MSGS, "expires": RESPONSE_EXPIRES}
+            user["permissions"] = perms
+        users.append(user)
+    config = {
+        "tls": {
+            "cert_file": str(layout.server_cert.resolve()),
+            "key_file": str(layout.server_key.resolve()),
+            "ca_file": str(layout.ca_cert.resolve()),
+            "timeout": 5,
+        },
+        "authorization": {"timeout": 5, "users": users},
+    }
+    header = (
+        "# Written by gpumesh from identities.json; `gpumesh certs` and `gpumesh node revoke`\n"
+        "# rewrite it, so edits here are lost. docs/security.md explains each permission.\n"
+    )
+    pki.write_private(layout.server_config, (header + json.dumps(config, indent=2)).encode())
+
+
+def reload_server(pid_file: Path) -> int | None:
+    """Ask the running nats-server to re-read nats.conf; its pid, or None if none runs."""
+    try:
+        pid = int(pid_file.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError:
+        return None
+    return pid
