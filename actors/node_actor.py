@@ -70,6 +70,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         self._stream = stream_name("node", node_id)
         self.last_seen = 0.0
         self.suspect_logged = False
+        self.cut_off_at: float | None = None  # when this controller lost its bus, if it has
 
     @property
     def stream(self) -> str:
@@ -116,8 +117,16 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                 limit = min(limit, self.policy.suspect_after)
             deadline = self.last_seen + limit * interval
             await asyncio.sleep(max(deadline - ctx.env.clock.monotonic(), floor))
+            if not _connected(ctx):
+                if self.cut_off_at is None:
+                    ctx.self_ref.try_tell(CheckSilence())  # it records the cut-off
+                # The Bus protocol has no reconnect event to await: look again shortly.
+                await asyncio.sleep(interval / 4)
+                continue
             now = ctx.env.clock.monotonic()
-            if missed_heartbeats(now, self.last_seen, self.policy) >= limit:
+            if self.cut_off_at is not None or (
+                missed_heartbeats(now, self.last_seen, self.policy) >= limit
+            ):
                 ctx.self_ref.try_tell(CheckSilence())
 
     async def handle(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> object:
@@ -197,7 +206,23 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
     async def _on_check(self, ctx: ActorContext[NodeMsg]) -> list[int]:
         if not self.state.registered or self.state.health == "offline":
             return []
-        missed = missed_heartbeats(ctx.env.clock.monotonic(), self.last_seen, self.policy)
+        now = ctx.env.clock.monotonic()
+        if not _connected(ctx):
+            # The controller cannot hear anyone: a silence now says nothing about the node.
+            # Declaring the fleet offline would move every replica for an outage of our own.
+            if self.cut_off_at is None:
+                self.cut_off_at = now
+                ctx.log.warning(
+                    "controller_cut_off", last_seen_s_ago=round(now - self.last_seen, 3)
+                )
+            return []
+        if self.cut_off_at is not None:
+            # Back: count missed heartbeats from now, as after a controller restart.
+            ctx.log.info("controller_reconnected", cut_off_s=round(now - self.cut_off_at, 3))
+            self.cut_off_at = None
+            self.last_seen = max(self.last_seen, now)
+            return []
+        missed = missed_heartbeats(now, self.last_seen, self.policy)
         if missed >= self.policy.offline_after:
             ctx.log.warning("node_offline", missed=missed)
             return await self.persist(
@@ -215,3 +240,8 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             self.suspect_logged = True
             ctx.log.warning("node_suspect", missed=missed)
         return []
+
+
+def _connected(ctx: ActorContext[NodeMsg]) -> bool:
+    """Whether this controller's bus is connected (a bus that cannot tell counts as yes)."""
+    return bool(getattr(ctx.env.bus, "is_connected", True))
