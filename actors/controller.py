@@ -30,6 +30,7 @@ from .cluster_actor import ClusterActor, ClusterMsg, Reconcile
 from .command_queue import CommandQueue
 from .env import BusError, Env, Msg, RandomSource
 from .health import HealthPolicy
+from .intake_limit import IntakeLimiter
 from .live_state import LiveState
 from .node_actor import Beat, Join, NodeActor, NodeMsg
 from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report, Suspect
@@ -50,6 +51,11 @@ class ControllerConfig:
     # Routing updates are plain publishes (at most once): re-send the table this often so a
     # gateway that missed one converges without waiting for the next change.
     routing_refresh_interval: float = 5.0
+    # A node may send this many heartbeats per heartbeat interval on average, and this many at
+    # once (an agent flushing what it buffered through a short outage); the rest are dropped.
+    heartbeat_rate_per_interval: float = 4.0
+    heartbeat_burst: float = 20.0
+    drop_log_interval: float = 1.0  # at most one "message_dropped" line per kind this often
 
 
 class Controller:
@@ -62,6 +68,13 @@ class Controller:
         self.live = LiveState(env.store)
         self.placement_lock = asyncio.Lock()
         self.dropped: Counter[str] = Counter()  # garbage and unroutable messages, by kind
+        self._drop_logged: dict[str, tuple[float, int]] = {}  # kind -> (when, total then)
+        health = self.config.health
+        self._heartbeat_limit = IntakeLimiter(
+            env.clock,
+            rate_per_s=self.config.heartbeat_rate_per_interval / health.heartbeat_interval,
+            burst=self.config.heartbeat_burst,
+        )
         self.ready = asyncio.Event()
         self._system: ActorSystem | None = None
         self._rng = env.derive_rng("scheduler")
@@ -172,23 +185,36 @@ class Controller:
 
     def _drop(self, kind: str, msg: Msg, detail: str) -> None:
         self.dropped[kind] += 1
+        # A flood of bad messages must not become a flood of log lines (each costs more than
+        # dropping the message): one line per kind per interval, with what it left out.
+        now = self.env.clock.monotonic()
+        when, total_then = self._drop_logged.get(kind, (-1e18, 0))
+        if now - when < self.config.drop_log_interval:
+            return
+        self._drop_logged[kind] = (now, self.dropped[kind])
         self.log.warning(
             "message_dropped",
             kind=kind,
             subject=msg.subject,
             detail=detail[:200],
             total=self.dropped[kind],
+            not_logged=max(0, self.dropped[kind] - total_then - 1),
         )
 
     # -- agent traffic ------------------------------------------------------------------
 
     async def _on_heartbeat(self, msg: Msg) -> None:
-        hb = msgspec.json.decode(msg.data, type=Heartbeat)
-        if hb.node_id != subjects.node_of(msg.subject):
-            self._drop("impersonation", msg, f"heartbeat for {hb.node_id} on {msg.subject}")
+        # Cheap checks on the subject first: a flood costs a lookup per message, not a decode.
+        sender = subjects.node_of(msg.subject)
+        if sender not in self.live.state.nodes.nodes:
+            self._drop("unregistered", msg, f"node {sender!r} has not registered")
             return
-        if hb.node_id not in self.live.state.nodes.nodes:
-            self._drop("unregistered", msg, f"node {hb.node_id} has not registered")
+        if not self._heartbeat_limit.admit(sender):
+            self._drop("rate_limited", msg, f"node {sender} is over its heartbeat rate")
+            return
+        hb = msgspec.json.decode(msg.data, type=Heartbeat)
+        if hb.node_id != sender:
+            self._drop("impersonation", msg, f"heartbeat for {hb.node_id} on {msg.subject}")
             return
         ref = await self.node(hb.node_id)
         if ref.stats().size >= ref.stats().capacity:

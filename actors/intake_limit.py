@@ -1,0 +1,36 @@
+"""Per-sender token buckets for the controller's intake, on the injected clock.
+
+One node that floods heartbeats must cost the controller a dictionary lookup per excess
+message, not an event append, and must not delay anyone else's heartbeats: its excess is
+dropped (and counted) before decoding. A bucket holds `burst` tokens and refills at `rate` per
+second; a message takes one token or is refused.
+"""
+
+from __future__ import annotations
+
+from .env import Clock
+
+
+class IntakeLimiter:
+    def __init__(self, clock: Clock, *, rate_per_s: float, burst: float) -> None:
+        if rate_per_s <= 0 or burst < 1:
+            raise ValueError("an intake limit needs rate_per_s > 0 and burst >= 1")
+        self._clock = clock
+        self.rate = rate_per_s
+        self.burst = burst
+        # sender -> (tokens, last refill). Callers admit only registered senders, so this
+        # stays as large as the fleet rather than as large as an attacker's imagination.
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def admit(self, sender: str) -> bool:
+        now = self._clock.monotonic()
+        tokens, then = self._buckets.get(sender, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        if tokens < 1.0:
+            self._buckets[sender] = (tokens, now)
+            return False
+        self._buckets[sender] = (tokens - 1.0, now)
+        return True
+
+    def forget(self, sender: str) -> None:
+        self._buckets.pop(sender, None)
