@@ -68,6 +68,21 @@ def add_arguments(gw: argparse.ArgumentParser) -> None:
     gw.add_argument(
         "--max-body-mb", type=float, default=16.0, help="bigger bodies get 413 (default 16)"
     )
+    gw.add_argument(
+        "--header-timeout",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="close a connection that has not sent a whole request head within S seconds of "
+        "opening or of its last response: slow-loris and idle keep-alive (default 15)",
+    )
+    gw.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="answer 408 and close when a request body takes longer than S seconds (default 30)",
+    )
     retry = RetryPolicy()
     gw.add_argument(
         "--request-timeout",
@@ -148,6 +163,8 @@ def config_from(args: argparse.Namespace) -> Any:
         access_log=not args.no_access_log,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        header_timeout_s=args.header_timeout,
+        request_body_timeout_s=args.body_timeout,
     )
 
 

@@ -71,6 +71,9 @@ class ProxySettings:
     # replica that dies mid-body is retried instead of truncating the answer.
     buffer_limit: int = 8 * 1024 * 1024
     body_timeout_s: float = 600.0  # a whole non-streaming answer, from arrival
+    # A client must deliver its whole request body within this: a body trickled a byte at a
+    # time (slow loris) would otherwise hold a connection and a handler forever.
+    request_body_timeout_s: float = 30.0
     access_log: bool = True
 
 
@@ -131,7 +134,9 @@ class Proxy:
         tenant = self._admit(request)
         if isinstance(tenant, web.Response):
             return tenant
-        body = await request.read()
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
         try:
             parsed = _BODY.decode(body)
         except msgspec.DecodeError as exc:
@@ -150,8 +155,22 @@ class Proxy:
         cluster = request.match_info["cluster"]
         tail = request.match_info.get("tail", "")
         query = f"?{request.query_string}" if request.query_string else ""
-        body = await request.read()
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
         return await self._forward(request, tenant, cluster, f"/{tail}{query}", body, "")
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        limit = self.settings.request_body_timeout_s
+        try:
+            async with asyncio.timeout(limit):
+                return await request.read()
+        except TimeoutError:
+            answer = openai_error(
+                408, f"the request body did not arrive within {limit:g} s", "request_timeout"
+            )
+            answer.force_close()  # the connection is spent: a body half read
+            return answer
 
     async def models(self, request: web.Request) -> web.Response:
         tenant = self._admit(request)

@@ -51,6 +51,10 @@ class GatewayConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     shutdown_grace_s: float = 10.0
+    # A connection must deliver a complete request head within this of opening, or of its
+    # previous response; an idle keep-alive connection is closed after it too (slow loris).
+    header_timeout_s: float = 15.0
+    request_body_timeout_s: float = 30.0  # the whole request body, once the head is in
     connect_timeout: float = 2.0
 
 
@@ -86,6 +90,7 @@ class Gateway:
                 gateway_id=config.gateway_id,
                 affinity=config.affinity,
                 access_log=config.access_log,
+                request_body_timeout_s=config.request_body_timeout_s,
             ),
             self.log,
         )
@@ -131,6 +136,12 @@ class Gateway:
             access_log=None,  # the proxy logs each request itself, with its routing context
             handler_cancellation=True,  # a client that goes away stops its upstream request
             shutdown_timeout=self.config.shutdown_grace_s,
+            # aiohttp arms this at connection start and closes a handler still waiting for a
+            # whole request head when it expires: the slow-loris header defence.
+            keepalive_timeout=self.config.header_timeout_s,
+            # After an early answer (408, 413) aiohttp reads what is left of the body so the
+            # client sees the answer rather than a reset: 2 s of that, not aiohttp's 10.
+            lingering_time=2.0,
         )
         await runner.setup()
         try:
