@@ -19,8 +19,10 @@ import msgspec
 from events import ClusterSpec, subjects
 from events.messages import (
     Heartbeat,
+    HeartbeatAck,
     Register,
     RegisterReply,
+    ReplicaLease,
     ReplicaReport,
     ReplicaSuspicion,
     RoutingUpdate,
@@ -38,6 +40,10 @@ from .supervision import SupervisionPolicy
 from .system import ActorRef, ActorSystem
 
 T = TypeVar("T")
+
+# A node's lease is this share of the silence that makes it offline (clock-rate margin).
+LEASE_FRACTION = 0.8
+LEASE_INDEX_REFRESH_S = 0.25
 
 # Actors restart on a crash; a run of crashes escalates and stops the controller loudly.
 ACTOR_POLICY = SupervisionPolicy(max_restarts=5, window=60.0)
@@ -69,6 +75,8 @@ class Controller:
         self.placement_lock = asyncio.Lock()
         self.dropped: Counter[str] = Counter()  # garbage and unroutable messages, by kind
         self._drop_logged: dict[str, tuple[float, int]] = {}  # kind -> (when, total then)
+        self._lease_index: dict[str, tuple[ReplicaLease, ...]] = {}
+        self._leases_at = float("-inf")
         health = self.config.health
         self._heartbeat_limit = IntakeLimiter(
             env.clock,
@@ -224,6 +232,40 @@ class Controller:
         ref.try_tell(Beat(hb))
         for replica in hb.replicas:
             await self._route_report(hb.node_id, replica)
+        if msg.reply:
+            await self._ack(msg.reply, hb)
+
+    async def _ack(self, reply: str, hb: Heartbeat) -> None:
+        """The node's lease: which of its replicas are current, and for how long it may serve
+        them without hearing from us again (docs/security.md, Fencing)."""
+        health = self.config.health
+        ack = HeartbeatAck(
+            node_id=hb.node_id,
+            seq=hb.seq,
+            # Strictly less than the silence after which we declare it offline, measured by
+            # the agent from when it sent the heartbeat (before we saw it): its lease ends
+            # before we could replace its replicas.
+            lease_s=health.offline_after * health.heartbeat_interval * LEASE_FRACTION,
+            replicas=self._leases().get(hb.node_id, ()),
+        )
+        try:
+            await self.env.bus.publish(reply, msgspec.json.encode(ack))
+        except BusError as exc:  # the agent asks again with its next heartbeat
+            self.log.debug("lease_not_sent", node=hb.node_id, error=str(exc))
+
+    def _leases(self) -> dict[str, tuple[ReplicaLease, ...]]:
+        # One pass over the replicas per refresh for every node, not one per heartbeat; a lease
+        # list at most a refresh old only delays a new replica's first tunnelled request.
+        now = self.env.clock.monotonic()
+        if now - self._leases_at >= LEASE_INDEX_REFRESH_S:
+            index: dict[str, list[ReplicaLease]] = {}
+            for view in self.live.state.replicas.replicas.values():
+                if view.status in ("placed", "starting", "ready"):
+                    lease = ReplicaLease(replica_id=view.replica_id, epoch=view.epoch)
+                    index.setdefault(view.node_id, []).append(lease)
+            self._lease_index = {node: tuple(leases) for node, leases in index.items()}
+            self._leases_at = now
+        return self._lease_index
 
     async def _on_register(self, msg: Msg) -> None:
         reg = msgspec.json.decode(msg.data, type=Register)

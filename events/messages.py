@@ -64,6 +64,26 @@ class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, t
     replicas: tuple[ReplicaState, ...] = ()
 
 
+class ReplicaLease(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A replica the controller holds current on the node, at exactly this epoch."""
+
+    replica_id: str
+    epoch: int
+
+
+class HeartbeatAck(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="heartbeat_ack.v1"
+):
+    """Controller -> agent, on the reply subject of a heartbeat that asked for one: the node's
+    lease. The agent serves only the replicas listed, and only until `lease_s` after it sent
+    that heartbeat: by then the controller may have declared it offline and replaced them."""
+
+    node_id: str
+    seq: int  # the heartbeat's
+    lease_s: float
+    replicas: tuple[ReplicaLease, ...] = ()
+
+
 class ReplicaReport(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica_report.v1"
 ):
@@ -181,6 +201,7 @@ WireMessage: TypeAlias = (
     Register
     | RegisterReply
     | Heartbeat
+    | HeartbeatAck
     | ReplicaReport
     | StartReplica
     | StopReplica

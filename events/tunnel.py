@@ -52,6 +52,7 @@ MAX_FRAME_PAYLOAD: Final = 256 * 1024
 ErrorReason = Literal[
     "connect_error",  # the workload refused or could not be reached
     "unknown_replica",  # this agent does not run that replica at that epoch
+    "fenced",  # the controller no longer vouches for that replica here (lease lapsed or moved)
     "overloaded",  # the agent is at its concurrency limit
     "bad_request",  # the agent could not use the request (undecodable, bad method or path)
     "reset",  # the workload closed the connection before or while answering
@@ -59,7 +60,9 @@ ErrorReason = Literal[
     "cancelled",  # the agent is shutting down
     "internal",  # a bug in the agent
 ]
-NOT_DELIVERED: Final = frozenset({"connect_error", "unknown_replica", "overloaded", "bad_request"})
+NOT_DELIVERED: Final = frozenset(
+    {"connect_error", "unknown_replica", "fenced", "overloaded", "bad_request"}
+)
 
 Headers = tuple[tuple[str, str], ...]
 

@@ -20,6 +20,7 @@ from events.messages import (
     Fault,
     FaultReply,
     Heartbeat,
+    HeartbeatAck,
     Register,
     RegisterReply,
     ReplicaReport,
@@ -37,6 +38,8 @@ from .workload.base import WorkloadDriver
 
 _REGISTER_REPLY = msgspec.json.Decoder(RegisterReply)
 _FAULT = msgspec.json.Decoder(Fault)
+_HEARTBEAT_ACK = msgspec.json.Decoder(HeartbeatAck)
+_LEASE_SEQS_KEPT = 32  # heartbeats whose ack may still arrive
 
 _PROBE_SHARE = 0.8  # of the heartbeat interval: a hung probe delays a heartbeat, never skips it
 _RETRY_S = 1.0  # before re-subscribing after the bus or the command stream failed
@@ -91,7 +94,19 @@ class Agent:
         # The overlay transport's end: HTTP requests over NATS to our workloads, which listen
         # where the driver probes them (loopback unless configured otherwise).
         self._local_host = str(getattr(driver, "host", "127.0.0.1"))
-        self.tunnel = TunnelServer(env.bus, config.node_id, self.local_url, log=self._log)
+        self.tunnel = TunnelServer(
+            env.bus, config.node_id, self.local_url, log=self._log, fence=self.fenced
+        )
+        # Heartbeat acks (the lease) come back under this node's own inbox prefix, the only
+        # one a node's NATS permissions let it read.
+        new_inbox = getattr(env.bus, "new_inbox", None)
+        self._lease_subject = (
+            f"{new_inbox()}.lease" if new_inbox else f"_INBOX.node.{config.node_id}.lease"
+        )
+        self._sent_at: dict[int, float] = {}  # heartbeat seq -> when it was sent
+        self._lease_seq = 0
+        self._lease_until: float | None = None
+        self._leased: frozenset[tuple[str, int]] = frozenset()
 
     @property
     def registered(self) -> bool:
@@ -110,6 +125,7 @@ class Agent:
             self._group = group
             group.create_task(self._serve_faults(), name="agent faults")
             group.create_task(self.tunnel.run(), name="agent tunnel")
+            group.create_task(self._leases(), name="agent leases")
             group.create_task(self._registration(), name="agent registration")
             await self._registered.wait()
             group.create_task(self._heartbeats(), name="agent heartbeats")
@@ -246,7 +262,43 @@ class Agent:
             probe_error=error,
             replicas=self.replicas(),
         )
-        await self._publish(subjects.heartbeat(self.config.node_id), beat)
+        # The lease an ack grants runs from now, before the controller saw the beat.
+        self._sent_at[self._seq] = self._env.clock.monotonic()
+        while len(self._sent_at) > _LEASE_SEQS_KEPT:
+            del self._sent_at[next(iter(self._sent_at))]
+        await self._publish(
+            subjects.heartbeat(self.config.node_id), beat, reply=self._lease_subject
+        )
+
+    # Fencing: the controller's lease.
+
+    async def _leases(self) -> None:
+        sub = await self._env.bus.subscribe(self._lease_subject)
+        async for msg in sub:
+            try:
+                ack = _HEARTBEAT_ACK.decode(msg.data)
+            except msgspec.DecodeError as exc:
+                self._log.warning("lease_garbage", error=str(exc)[:200])
+                continue
+            sent = self._sent_at.get(ack.seq)
+            if ack.node_id != self.config.node_id or sent is None or ack.seq <= self._lease_seq:
+                continue  # not ours, too old, or overtaken by a newer ack
+            if self._lease_until is None:
+                self._log.info("lease_granted", lease_s=ack.lease_s)
+            self._lease_seq = ack.seq
+            self._lease_until = sent + ack.lease_s
+            self._leased = frozenset((r.replica_id, r.epoch) for r in ack.replicas)
+
+    def fenced(self, replica_id: str, epoch: int) -> str:
+        """Why this node must not serve `replica_id` at `epoch` now ('' when it may). Until a
+        controller has granted a first lease (one that sends none), nothing is fenced."""
+        if self._lease_until is None:
+            return ""
+        if self._env.clock.monotonic() > self._lease_until:
+            return "this node's lease lapsed: the controller may have replaced its replicas"
+        if (replica_id, epoch) not in self._leased:
+            return f"the controller does not hold replica {replica_id}@{epoch} current here"
+        return ""
 
     # Reports.
 
@@ -256,9 +308,9 @@ class Agent:
         report = ReplicaReport(node_id=self.config.node_id, replica=state)
         await self._publish(subjects.report(self.config.node_id), report)
 
-    async def _publish(self, subject: str, message: msgspec.Struct) -> None:
+    async def _publish(self, subject: str, message: msgspec.Struct, *, reply: str = "") -> None:
         try:
-            await self._env.bus.publish(subject, msgspec.json.encode(message))
+            await self._env.bus.publish(subject, msgspec.json.encode(message), reply=reply)
         except BusError as exc:
             # Heartbeats repeat every replica's state, so a lost message heals itself.
             self._log.warning("publish_failed", subject=subject, error=str(exc))

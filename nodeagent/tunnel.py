@@ -31,6 +31,8 @@ from events.tunnel import (
 # (replica_id, epoch) -> the workload's base URL on this node (http://127.0.0.1:8000), or None
 # when this agent does not run that replica at that epoch.
 Resolve = Callable[[str, int], str | None]
+# (replica_id, epoch) -> why this node must not serve it now ('' when it may): fencing.
+Fence = Callable[[str, int], str]
 
 DEFAULT_MAX_CONCURRENT: Final = 512
 # A request whose response head is not ready this soon after it arrived gets an ACK frame, so
@@ -72,10 +74,12 @@ class TunnelServer:
         frame_bytes: int = frames.MAX_FRAME_PAYLOAD,
         ack_after_s: float = ACK_AFTER_S,
         log: Any = None,
+        fence: Fence | None = None,
     ) -> None:
         self.subject = subjects.tunnel(node_id)
         self._bus = bus
         self._resolve = resolve
+        self._fence = fence
         self._max_concurrent = max_concurrent
         self._frame_bytes = frame_bytes
         self._ack_after_s = ack_after_s
@@ -161,6 +165,12 @@ class TunnelServer:
             await self._fail_now(
                 reply, "overloaded", f"{self._max_concurrent} requests in flight on this agent"
             )
+            return
+        fenced = self._fence(request.replica_id, request.epoch) if self._fence else ""
+        if fenced:
+            # Checked before the workload is even looked up: a node back from a partition may
+            # still run a replica the controller has replaced, and a stale gateway may ask.
+            await self._fail_now(reply, "fenced", fenced)
             return
         base = self._resolve(request.replica_id, request.epoch)
         if base is None:
