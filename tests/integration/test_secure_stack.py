@@ -82,9 +82,7 @@ async def test_revoking_a_node_cuts_it_off_and_its_replica_moves(tmp_path: Path)
             async def moved() -> bool:
                 nodes = {n["node_id"]: n["health"] for n in await api(bus, "node.list", {})}
                 cluster = await api(bus, "cluster.get", {"name": "echo"})
-                serving = {
-                    r["node_id"] for r in cluster["replicas"] if r["status"] == "ready"
-                }
+                serving = {r["node_id"] for r in cluster["replicas"] if r["status"] == "ready"}
                 return nodes[victim] == "offline" and len(serving) == 2 and victim not in serving
 
             await until(moved, 30, f"{victim} offline and its replica ready elsewhere")
