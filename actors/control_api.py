@@ -9,6 +9,7 @@ import msgspec
 
 from events import subjects
 from events.catalog import HEARTBEAT_TYPE
+from events.errors import EventStoreError, StoreFull
 from events.messages import ApiReply, DrainRequest, EventsRequest, NameRequest, ScaleRequest
 from projections import FleetState
 
@@ -49,6 +50,11 @@ class ControlApi:
             reply = ApiReply(ok=True, data=await handler(msg.data))
         except (ClusterError, SpecError) as exc:
             reply = ApiReply(ok=False, error=str(exc))
+        except StoreFull as exc:
+            # Reads go on; a write is refused whole (nothing of it was appended).
+            reply = ApiReply(ok=False, error=f"refused: {exc}")
+        except EventStoreError as exc:
+            reply = ApiReply(ok=False, error=f"the event log failed: {exc}")
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             reply = ApiReply(ok=False, error=f"bad request body: {exc}")
         if msg.reply:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from events import ClusterSpec, subjects
+from events.errors import EventStoreError
 from events.messages import (
     Heartbeat,
     HeartbeatAck,
@@ -190,6 +191,10 @@ class Controller:
                 await handler(msg)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 self._drop("garbage", msg, str(exc))
+            except EventStoreError as exc:
+                # A full disk refuses the write this message needed (a registration); the
+                # sender retries, and serving everything else goes on.
+                self._drop("store_error", msg, str(exc))
 
     def _drop(self, kind: str, msg: Msg, detail: str) -> None:
         self.dropped[kind] += 1
@@ -392,7 +397,11 @@ class Controller:
             # Often enough that the log stays near `age` of heartbeats, rarely enough to be cheap.
             await asyncio.sleep(max(60.0, age / 10))
             cutoff = self.env.clock.wall_ns() - int(age * 1e9)
-            removed = await self.env.store.compact_heartbeats(cutoff)
+            try:
+                removed = await self.env.store.compact_heartbeats(cutoff)
+            except EventStoreError as exc:  # a full disk: try again next round
+                self.log.warning("heartbeats_not_compacted", error=str(exc))
+                continue
             self.log.info("heartbeats_compacted", removed=removed, older_than_s=age)
 
     def routing_update(self) -> bytes:

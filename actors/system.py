@@ -14,6 +14,8 @@ from typing import Any, Generic, TypeVar, final, overload
 
 import structlog
 
+from events.errors import StoreFull
+
 from .actor import Actor, ActorContext
 from .env import Env, RandomSource
 from .errors import (
@@ -266,6 +268,15 @@ class _Cell(Generic[M]):
         reply = envelope.reply
         try:
             result = await actor.handle(ctx, envelope.message)
+        except StoreFull as exc:
+            # A full disk is not a bug in the actor: persist() folds only after the append
+            # succeeded, so its state is still what the log says. An asker gets the error; a
+            # tell is dropped (the heartbeat, reconcile or report that caused it comes again)
+            # rather than crash-looping the actor into its supervisor's give-up.
+            if reply is None:
+                self.system._note_disk_full(self.name, exc)
+            elif not reply.done():
+                reply.set_exception(exc)
         except Exception as exc:
             if reply is None:
                 raise  # a tell: crash, the supervisor decides
@@ -323,10 +334,21 @@ class ActorSystem:
         self._accepting = False
         self._shutdown_started = False
         self._shutdown_done = asyncio.Event()
+        self.writes_refused = 0  # tells dropped because the event store's disk is full
+        self._disk_full_logged_at = float("-inf")
 
     @property
     def env(self) -> Env:
         return self._env
+
+    def _note_disk_full(self, actor: str, exc: StoreFull) -> None:
+        self.writes_refused += 1
+        now = self._env.clock.monotonic()
+        if now - self._disk_full_logged_at >= 1.0:  # one line a second, not one per heartbeat
+            self._disk_full_logged_at = now
+            self._env.log.error(
+                "event_store_full", actor=actor, refused=self.writes_refused, error=str(exc)
+            )
 
     async def __aenter__(self) -> ActorSystem:
         if self._tg is not None:
