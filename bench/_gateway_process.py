@@ -1,0 +1,48 @@
+"""A `gpumesh gateway` process in front of a tests/integration/stack.py Stack, for benches that
+kill and restart it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class GatewayProcess:
+    def __init__(self, stack: Any, *extra: str) -> None:
+        self.stack = stack
+        self.extra = extra
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def start(self) -> None:
+        log = (self.stack.logs / "gateway.log").open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpumesh", "gateway", "--nats", self.stack.url,
+             "--listen", f"127.0.0.1:{self.port}", "--log-format", "json",
+             "--data-dir", str(self.stack.root), *self.extra],
+            stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+
+    async def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            await asyncio.to_thread(self.proc.wait, 10)

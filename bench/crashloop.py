@@ -1,0 +1,274 @@
+"""Crash loop: kill -9 the controller, agents, the gateway and nats-server at random points of a
+scripted workload, again and again, and check that nothing acknowledged was lost.
+
+    python bench/crashloop.py [--kills 50] [--seed 1] [--agents 3] [--json]
+
+Every part is its own process on loopback (tests/integration/stack.py: nats-server with
+JetStream, the controller on a SQLite log, agents with fake GPUs and echo workloads), plus a
+gateway process (`gpumesh gateway`). A workload task runs control API operations without pause
+(cluster create, scale, delete, chosen by a seeded RNG) and records each one the controller
+acknowledged (ApiReply ok); another sends chat requests through the gateway. Meanwhile a
+killer picks a victim among {controller, an agent, the gateway, nats-server} at a random moment
+(0.3-2 s apart), SIGKILLs its process group, waits 0-1 s, and starts it again. After --kills
+kills it lets everything settle and checks:
+
+  - every acknowledged cluster operation has its event in the log (created, scaled to the
+    acknowledged count, deleted), and the final clusters are what the last acknowledged
+    operations left;
+  - every event the workload saw committed (its `events.list` samples, by id and position) is
+    still in the log, at the same position;
+  - positions in the log are contiguous (1..head: nothing half-written);
+  - the JetStream events stream holds every position of the log, in order, once;
+  - the controller's live state (its API) equals a rebuild of the log.
+
+It prints progress as it goes, then the figures, and exits 1 on any loss. A benchmark that
+prints figures, not a test (it takes a few minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import projections  # noqa: E402
+from actors.env import BusError  # noqa: E402
+from bench._gateway_process import GatewayProcess  # noqa: E402
+from events import subjects  # noqa: E402
+from events.sqlite_store import SqliteEventStore  # noqa: E402
+from gpumesh.logconfig import configure_logging  # noqa: E402
+from tests.integration.stack import ApiError, Stack, echo_spec  # noqa: E402
+
+VICTIMS = ("controller", "agent", "gateway", "nats")
+
+
+@dataclass
+class Ledger:
+    """What the controller acknowledged, and what the workload saw committed."""
+
+    ops: list[tuple[str, str, int]] = field(default_factory=list)  # (verb, cluster, replicas)
+    refused: Counter[str] = field(default_factory=Counter)
+    seen_events: dict[str, int] = field(default_factory=dict)  # event id -> position
+    kills: Counter[str] = field(default_factory=Counter)
+    requests: Counter[str] = field(default_factory=Counter)
+    head: int = 0  # the highest log position the workload has seen
+
+
+def say(text: str) -> None:
+    print(f"crashloop: {text}", file=sys.stderr, flush=True)
+
+
+async def operations(stack: Stack, rng: random.Random, ledger: Ledger, stop: asyncio.Event) -> None:
+    names = [f"c{i}" for i in range(4)]
+    while not stop.is_set():
+        name = rng.choice(names)
+        verb = rng.choice(["cluster.create", "cluster.scale", "cluster.scale", "cluster.delete"])
+        replicas = rng.randint(0, 2)
+        body: Any = {"name": name, "replicas": replicas}
+        if verb == "cluster.create":
+            body = {**echo_spec(replicas, name=name)}
+        elif verb == "cluster.delete":
+            body = {"name": name}
+        try:
+            await stack.api(verb, body, timeout=3.0)
+        except ApiError as exc:
+            # A clear no (an unknown cluster, a name taken): not acknowledged, nothing to keep.
+            ledger.refused[f"{verb}: " + str(exc).split(":", 1)[-1].split("(")[0].strip()] += 1
+        except (BusError, TimeoutError, OSError):
+            ledger.refused["no answer"] += 1  # controller or NATS down: not acknowledged
+        else:
+            ledger.ops.append((verb, name, replicas))
+        try:
+            after = max(0, ledger.head - 30)
+            page = await stack.api("events.list", {"after": after, "limit": 30}, timeout=3.0)
+        except (ApiError, BusError, TimeoutError, OSError):
+            pass
+        else:
+            ledger.head = max(ledger.head, int(page["head"]))
+            for event in page["events"]:
+                ledger.seen_events[event["event_id"]] = event["position"]
+        await asyncio.sleep(rng.uniform(0.02, 0.15))
+
+
+async def traffic(gateway: GatewayProcess, ledger: Ledger, stop: asyncio.Event) -> None:
+    body = {"model": "stable", "messages": [{"role": "user", "content": "crash?"}]}
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        while not stop.is_set():
+            try:
+                async with http.post(f"{gateway.url}/v1/chat/completions", json=body) as resp:
+                    await resp.read()
+                    ledger.requests[str(resp.status)] += 1
+            except (aiohttp.ClientError, TimeoutError):
+                ledger.requests["no connection"] += 1
+            await asyncio.sleep(0.05)
+
+
+async def killer(
+    stack: Stack, gateway: GatewayProcess, rng: random.Random, ledger: Ledger, kills: int
+) -> None:
+    for n in range(1, kills + 1):
+        await asyncio.sleep(rng.uniform(0.3, 2.0))
+        victim = rng.choice(VICTIMS)
+        pause = rng.uniform(0.0, 1.0)
+        if victim == "controller":
+            await stack.kill_controller()
+            await asyncio.sleep(pause)
+            await stack.start_controller(timeout=60)
+        elif victim == "agent":
+            node = rng.choice(sorted(stack.agents))
+            await stack.kill_agent(node)
+            await asyncio.sleep(pause)
+            stack.start_agent(node)
+            victim = f"agent {node}"
+        elif victim == "gateway":
+            await gateway.kill()
+            await asyncio.sleep(pause)
+            gateway.start()
+        else:
+            pid = stack.nats.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            await stack.nats.stop()  # reaps it; the port is kept for the restart
+            await asyncio.sleep(pause)
+            await stack.nats.start()
+        ledger.kills[victim.split()[0]] += 1
+        say(f"kill {n}/{kills}: {victim} (back after {pause:.2f} s)")
+
+
+async def check(stack: Stack, ledger: Ledger) -> dict[str, Any]:
+    store = await SqliteEventStore.open(stack.db_path)
+    try:
+        log = await store.read_all(1, 10_000_000)
+    finally:
+        await store.close()
+    problems: list[str] = []
+    positions = [e.position for e in log]
+    if positions != list(range(1, len(log) + 1)):
+        problems.append("log positions are not contiguous from 1")
+    by_id = {e.event_id: e.position for e in log}
+    lost = [i for i, pos in ledger.seen_events.items() if by_id.get(i) != pos]
+    if lost:
+        problems.append(f"{len(lost)} events seen committed are gone or moved: {lost[:3]}")
+    # Every acknowledged operation left its event.
+    kinds: dict[tuple[str, str], list[Any]] = {}
+    for e in log:
+        if e.stream.startswith("cluster/"):
+            kinds.setdefault((e.stream, e.type), []).append(e.payload)
+    missing = 0
+    for verb, name, replicas in ledger.ops:
+        stream = f"cluster/{name}"
+        created = kinds.get((stream, "cluster.created.v1"), [])
+        if verb == "cluster.create":
+            ok = bool(created)
+        elif verb == "cluster.delete":
+            ok = bool(kinds.get((stream, "cluster.deleted.v1")))
+        else:  # scaled to that count (or created at it: scaling to the same count records none)
+            counts = {p.replicas for p in kinds.get((stream, "cluster.scaled.v1"), [])}
+            counts |= {p.spec.replicas for p in created}
+            ok = replicas in counts
+        missing += not ok
+    if missing:
+        problems.append(f"{missing} acknowledged operations have no event")
+    # Live equals rebuild.
+    state = projections.rebuild(log)
+    rebuilt = {n: c.spec.replicas for n, c in state.clusters.clusters.items()}
+    live_list = await stack.api("cluster.list", {}, timeout=30.0)
+    live = {c["name"]: c["desired"] for c in live_list}
+    if live != rebuilt:
+        problems.append(f"live clusters {live} differ from the rebuild {rebuilt}")
+    # The JetStream stream holds every position once, in order.
+    js = stack.bus.jetstream(timeout=10.0)
+    published: list[int] = []
+    info = await js.stream_info(subjects.EVENTS_STREAM)
+    sub = await js.subscribe(subjects.EVENTS_ALL, ordered_consumer=True)
+    try:
+        while len(published) < info.state.messages:
+            msg = await sub.next_msg(timeout=10.0)
+            published.append(int(msg.headers["Gpumesh-Position"]))
+    finally:
+        await sub.unsubscribe()
+    if published != positions:
+        pairs = zip(published, positions, strict=False)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+        problems.append(
+            f"JetStream has {len(published)} events, the log {len(positions)}; "
+            f"first difference at index {first}"
+        )
+    return {
+        "log_events": len(log),
+        "jetstream_events": len(published),
+        "ops_acknowledged": len(ledger.ops),
+        "ops_by_verb": dict(Counter(v for v, _, _ in ledger.ops)),
+        "refused": dict(ledger.refused.most_common(6)),
+        "events_seen_committed": len(ledger.seen_events),
+        "lost": problems,
+    }
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    ledger = Ledger()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpumesh-crashloop-") as tmp:
+        async with Stack(Path(tmp) / "stack", agents=args.agents) as stack:
+            say(f"stack up: {args.agents} agents, NATS {stack.url}")
+            # A cluster the operations never touch, for the gateway traffic to reach.
+            await stack.create_cluster(echo_spec(2, name="stable"))
+            gateway = GatewayProcess(stack)
+            gateway.start()
+            stop = asyncio.Event()
+            try:
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(operations(stack, rng, ledger, stop))
+                    tasks.create_task(traffic(gateway, ledger, stop))
+                    await killer(stack, gateway, random.Random(args.seed + 1), ledger, args.kills)
+                    say("kills done; settling")
+                    stop.set()
+                await stack.wait_until(
+                    stack._controller_answers, timeout=60, why="controller answering"
+                )
+                await asyncio.sleep(5)  # the outbox catches up with the log
+                result = await check(stack, ledger)
+            finally:
+                await gateway.kill()
+    result.update(
+        kills=dict(ledger.kills),
+        kills_total=sum(ledger.kills.values()),
+        gateway_requests=dict(ledger.requests),
+        wall_s=round(time.perf_counter() - started, 1),
+        seed=args.seed,
+    )
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--agents", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    arguments = parser.parse_args()
+    configure_logging(level="warning", json=False, stream=sys.stderr)
+    outcome = asyncio.run(main(arguments))
+    if arguments.json:
+        print(json.dumps(outcome, indent=2))
+    else:
+        for key, value in outcome.items():
+            print(f"{key:>22}: {value}")
+    sys.exit(1 if outcome["lost"] else 0)
