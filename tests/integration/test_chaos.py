@@ -8,7 +8,6 @@ started again under its keeper) can be found in /proc and must be gone once `up`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.stack import STACK_ENV, echo_spec, kill_marked, marked_pids, pid_alive
-from tests.integration.up_process import api, connect_admin, read_urls, start_up, until
+from tests.integration.up_process import api, connect_admin, read_urls, reap, start_up, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -112,11 +111,6 @@ async def test_power_loss_on_the_real_stack_reads_like_the_simulator(tmp_path: P
 
         await until(gone, 25, "every process of the stack gone after `gpumesh up` stopped")
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(up.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            up.wait(10)
-        if up.stdout is not None:
-            up.stdout.close()
+        reap(up)
         left = await asyncio.to_thread(kill_marked, marker)
         assert left == []

@@ -4,7 +4,6 @@ agent process stops its replicas and exits, the controller marks it offline and 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 
 from actors.nats_access import SecurityLayout
 from tests.integration.stack import echo_spec, kill_marked, marked_pids, pid_alive
-from tests.integration.up_process import api, connect_admin, read_urls, start_up, until
+from tests.integration.up_process import api, connect_admin, read_urls, reap, start_up, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -94,10 +93,5 @@ async def test_revoking_a_node_cuts_it_off_and_its_replica_moves(tmp_path: Path)
         up.send_signal(signal.SIGINT)
         await asyncio.to_thread(up.wait, 30)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(up.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            up.wait(10)
-        if up.stdout is not None:
-            up.stdout.close()
+        reap(up)
         await asyncio.to_thread(kill_marked, marker)

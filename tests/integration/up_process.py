@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -34,6 +36,16 @@ def start_up(
             env={**os.environ, STACK_ENV: marker, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )  # fmt: skip
+
+
+def reap(up: subprocess.Popen[bytes]) -> None:
+    """Whatever state the test left `up` in: gone, with its pipe closed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(up.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        up.wait(10)
+    if up.stdout is not None:
+        up.stdout.close()
 
 
 def read_urls(up: subprocess.Popen[bytes]) -> tuple[str, str]:
