@@ -31,6 +31,7 @@ from events.messages import (
 from events.node import GpuMetrics
 
 from .config import AgentConfig
+from .front import DirectFront, front_path
 from .gpu.probe import FaultInjectable, GpuProbe, ProbeError
 from .replica import ReplicaRunner, http_address
 from .tunnel import TunnelServer
@@ -103,6 +104,17 @@ class Agent:
         self._lease_subject = (
             f"{new_inbox()}.lease" if new_inbox else f"_INBOX.node.{config.node_id}.lease"
         )
+        self.front: DirectFront | None = None
+        self._front_base = ""
+        if config.direct_front:
+            loopback = config.address.startswith("127.") or config.address == "localhost"
+            self.front = DirectFront(
+                config.address if loopback else "0.0.0.0",
+                config.front_port,
+                self.local_url,
+                self.fenced,
+                log=self._log,
+            )
         self._sent_at: dict[int, float] = {}  # heartbeat seq -> when it was sent
         self._lease_seq = 0
         self._lease_until: float | None = None
@@ -126,6 +138,10 @@ class Agent:
             group.create_task(self._serve_faults(), name="agent faults")
             group.create_task(self.tunnel.run(), name="agent tunnel")
             group.create_task(self._leases(), name="agent leases")
+            if self.front is not None:
+                group.create_task(self.front.run(), name="agent front")
+                await self.front.listening.wait()  # before any replica is advertised
+                self._front_base = http_address(self.config.address, self.front.port)
             group.create_task(self._registration(), name="agent registration")
             await self._registered.wait()
             group.create_task(self._heartbeats(), name="agent heartbeats")
@@ -369,8 +385,16 @@ class Agent:
             log.info("start_ignored", why="this replica epoch already started here")
             return
         assert self._group is not None
+        advertise = ""
+        if self._front_base:
+            advertise = self._front_base + front_path(command.replica_id, command.epoch)
         runner = ReplicaRunner(
-            command, env=self._env, driver=self._driver, config=self.config, publish=self._report
+            command,
+            env=self._env,
+            driver=self._driver,
+            config=self.config,
+            publish=self._report,
+            advertise=advertise,
         )
         self._runners[key] = runner
         self._tasks[key] = self._group.create_task(

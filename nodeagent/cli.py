@@ -84,6 +84,19 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         metavar="S",
         help="seconds, until the controller sets it (default 1)",
     )
+    agent.add_argument(
+        "--no-direct-fence",
+        action="store_true",
+        help="advertise workloads' own ports instead of this node's fencing front; a stale "
+        "gateway on the direct transport can then reach a superseded replica (docs/security.md)",
+    )
+    agent.add_argument(
+        "--front-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of this node's HTTP front for the direct transport (default: any free one)",
+    )
     agent.add_argument("--workload-driver", choices=["process", "docker"], default="process")
     agent.add_argument(
         "--stop-grace",
@@ -195,6 +208,8 @@ async def run_agent(args: argparse.Namespace) -> int:
             heartbeat_interval=args.heartbeat_interval,
             stop_grace_s=args.stop_grace,
             agent_version=_agent_version(),
+            direct_front=not args.no_direct_fence,
+            front_port=args.front_port,
         )
     except ValueError as exc:
         _error(str(exc))

@@ -31,8 +31,12 @@ class ReplicaRunner:
         driver: WorkloadDriver,
         config: AgentConfig,
         publish: Publish,
+        advertise: str = "",
     ) -> None:
+        """`advertise`: the address to report instead of the workload's own (the node's
+        front, which fences it)."""
         self.key = (command.replica_id, command.epoch)
+        self._advertise = advertise
         self._command = command
         self._env = env
         self._log: Any = env.log.bind(replica=f"{command.replica_id}@{command.epoch}")
@@ -140,7 +144,9 @@ class ReplicaRunner:
             epoch=self._command.epoch,
             state=state,
             port=self._port,
-            address=http_address(self._config.address, self._port) if self._port else "",
+            address=(self._advertise or http_address(self._config.address, self._port))
+            if self._port
+            else "",
             detail=detail,
             exit_code=exit_code,
         )

@@ -69,7 +69,11 @@ async def serving(stack: Stack, replicas: int = REPLICAS, name: str = "echo") ->
         by_key = {(w.replica_id, w.epoch): w for w in running}
         for r in ready:
             w = by_key[(r["replica_id"], r["epoch"])]
-            if w.ppid != stack.agent_pid(r["node_id"]) or not r["address"].endswith(f":{w.port}"):
+            # The address is the workload's own port, or the node's fencing front for it.
+            fronted = r["address"].endswith(f"/replica/{r['replica_id']}/{r['epoch']}")
+            if w.ppid != stack.agent_pid(r["node_id"]) or not (
+                fronted or r["address"].endswith(f":{w.port}")
+            ):
                 return None
             if not await http_ok(w.port):
                 return None

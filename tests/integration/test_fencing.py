@@ -1,12 +1,14 @@
 """Fencing with real processes: a node that comes back from a partition (its agent SIGSTOPped
-past the offline window, then continued) refuses a stale gateway's tunnelled request for the
-replica the controller replaced meanwhile, while the replacement serves."""
+past the offline window, then continued) refuses a stale gateway's request for the replica the
+controller replaced meanwhile, over the overlay (the tunnel) and over the direct transport (the
+node's HTTP front at the replica's advertised address), while the replacement serves."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from events import tunnel
@@ -44,6 +46,19 @@ async def _ask(stack: Stack, node_id: str, replica_id: str, epoch: int) -> tunne
         await frames.unsubscribe()
 
 
+async def _direct(address: str) -> tuple[int, bytes]:
+    """What the direct transport does: POST to the route's address plus the path."""
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            address + "/v1/chat/completions",
+            data=CHAT,
+            headers={"content-type": "application/json"},
+        ) as resp,
+    ):
+        return resp.status, await resp.read()
+
+
 async def test_a_node_back_from_a_partition_cannot_serve_its_superseded_replica(
     tmp_path: Path, nats_server_binary: Path
 ) -> None:
@@ -62,6 +77,9 @@ async def test_a_node_back_from_a_partition_cannot_serve_its_superseded_replica(
         # Before the partition the node serves it over the tunnel: the refusal below is real.
         served = await _ask(stack, node, replica, epoch)
         assert isinstance(served.meta, TunnelHead) and served.meta.status == 200, served
+        old_address = first["address"]
+        assert old_address.endswith(f"/replica/{replica}/{epoch}"), old_address
+        assert (await _direct(old_address))[0] == 200
 
         stack.stop_agent(node)  # a partition: the agent is silent, its workload runs on
 
@@ -74,6 +92,10 @@ async def test_a_node_back_from_a_partition_cannot_serve_its_superseded_replica(
         refused = await _ask(stack, node, replica, epoch)
         assert isinstance(refused.meta, TunnelError), refused
         assert refused.meta.reason in ("fenced", "unknown_replica"), refused.meta
+        # A stale gateway on the direct transport, at the address its old table holds.
+        status, body = await _direct(old_address)
+        assert status == 503 and b'"fenced"' in body, (status, body)
+        assert (await _direct(second["address"]))[0] == 200
         # The replacement serves.
         now = await _ask(stack, second["node_id"], replica, second["epoch"])
         assert isinstance(now.meta, TunnelHead) and now.meta.status == 200, now
