@@ -735,7 +735,11 @@ async def _proxied_run(
 ) -> dict[str, Any]:
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     trace_dir = workdir / "traces"
-    async with Stack(workdir / "stack", agents=args.agents) as stack:
+    # Workloads advertised at their own ports: nginx and vllm-router take host:port upstreams,
+    # and every proxy is then measured against the same replicas (no node front in the way).
+    async with Stack(
+        workdir / "stack", agents=args.agents, agent_args=["--no-direct-fence"]
+    ) as stack:
         await stack.create_cluster(_traced_spec(trace_dir))
         cluster = await _serving(stack, REPLICAS)
         replicas = cluster["replicas"]
