@@ -31,8 +31,9 @@ def build_app(
     *,
     ready: Callable[[], bool],
     max_body_bytes: int,
+    request_body_timeout_s: float = 30.0,
 ) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_too_large])
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors(max_body_bytes)])
     app.router.add_post("/v1/chat/completions", proxy.openai)
     app.router.add_post("/v1/completions", proxy.openai)
     app.router.add_post("/v1/embeddings", proxy.openai)
@@ -57,19 +58,54 @@ def build_app(
 
     # Longer than the controller's own 30 s wait on create/scale/drain, so that a slow success
     # is not reported as a 504.
-    control = control_app(bus, timeout=35.0)
+    control = control_app(bus, timeout=35.0, body_timeout=request_body_timeout_s)
     control.middlewares.append(_admin_only(keys))
     app.add_subapp("/api/v1", control)
     return app
 
 
-@web.middleware
-async def _too_large(request: web.Request, handler: Handler) -> web.StreamResponse:
-    # aiohttp answers an oversized body with a plain-text 413; clients expect OpenAI's shape.
-    try:
-        return await handler(request)
-    except web.HTTPRequestEntityTooLarge as exc:
-        return openai_error(413, f"the body is larger than {exc.text or 'the limit'}", "too_large")
+def _errors(max_body_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        # A declared length over the limit is refused before a byte of the body is read:
+        # otherwise the client would wait, sending, for a 413 (or a 408) it was sure to get.
+        length = request.content_length
+        if length is not None and length > max_body_bytes:
+            return _too_large(max_body_bytes)
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            return _too_large(max_body_bytes)
+        except web.HTTPException as exc:
+            # aiohttp's own 404 and 405 are plain text; every answer here is OpenAI's shape.
+            if exc.status < 400:
+                raise
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
+            return openai_error(
+                exc.status,
+                _reason(request, exc),
+                _CODES.get(exc.status, "invalid_request"),
+                **allow,
+            )
+
+    return errors
+
+
+_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def _reason(request: web.Request, exc: web.HTTPException) -> str:
+    if exc.status == 404:
+        return f"no route for {request.path[:200]!r} (see /v1/models, /c/<cluster>/..., /api/v1)"
+    if exc.status == 405:
+        return (
+            f"{request.method[:20]} is not allowed here (allowed: {exc.headers.get('Allow', '')})"
+        )
+    return exc.reason
+
+
+def _too_large(limit: int) -> web.Response:
+    return openai_error(413, f"the request body is over the {limit}-byte limit", "too_large")
 
 
 def _admin_only(keys: KeyRing) -> Callable[..., Awaitable[web.StreamResponse]]:

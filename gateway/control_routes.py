@@ -29,6 +29,7 @@ only when one input is to blame: a JSON path (`$.replicas`) for a body, the para
                                  refused it (a spec problem: `replicas: must be 0..1000 ...`)
     404 not_found                an unknown cluster or node, or no such route
     405 method_not_allowed
+    408 request_timeout          the body did not arrive within `body_timeout` (slow client)
     409 conflict                 the controller says it already exists
     502 bad_reply                the controller's reply could not be decoded
     503 controller_unavailable   no controller subscribed (NoResponders; with Retry-After: 2),
@@ -63,6 +64,7 @@ STREAM_PAGE: Final = 500  # events per events.list call while a stream catches u
 
 _JSON: Final = "application/json"
 _STATUS_TYPES: Final = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+DEFAULT_BODY_TIMEOUT_S: Final = 30.0
 # "gpu.count: must be 1..16" -> "gpu.count"; "unknown cluster 'x' (known: a)" does not match.
 _LEADING_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z0-9_]+|\[\d+\])*): ")
 _AT_PATH = re.compile(r" - at `(\$[^`]*)`$")
@@ -126,6 +128,7 @@ class ControlError(Exception):
         *,
         field: str = "",
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -133,6 +136,7 @@ class ControlError(Exception):
         self.message = " ".join(message.split())  # one line, whatever the source said
         self.field = field
         self.headers = headers or {}
+        self.close = close  # the connection is spent (a body half read): close after answering
 
     def body(self) -> dict[str, Any]:
         error: dict[str, str] = {"message": self.message, "type": self.kind}
@@ -141,12 +145,15 @@ class ControlError(Exception):
         return {"error": error}
 
     def response(self) -> web.Response:
-        return web.Response(
+        answer = web.Response(
             status=self.status,
             body=msgspec.json.encode(self.body()),
             content_type=_JSON,
             headers=self.headers,
         )
+        if self.close:
+            answer.force_close()
+        return answer
 
 
 def invalid(message: str, field: str = "") -> ControlError:
@@ -232,14 +239,26 @@ async def json_errors(
 
 
 def control_app(
-    bus: Bus, *, timeout: float = 10.0, events_poll: float = 5.0, keepalive: float = 15.0
+    bus: Bus,
+    *,
+    timeout: float = 10.0,
+    events_poll: float = 5.0,
+    keepalive: float = 15.0,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> web.Application:
     """The `/api/v1` sub-application. `timeout`: seconds to wait for each controller reply.
+    `body_timeout`: seconds a client has to deliver a whole request body (then 408).
     `events_poll`: while the live events subject is quiet for this long, a stream asks
     `events.list` whether it missed anything (a live message lost in a reconnect, or no outbox
     running); also the retry delay when the controller does not answer a stream's catch-up.
     `keepalive`: seconds of silence before a stream sends a `: keep-alive` comment."""
-    api = _ControlApi(bus, timeout=timeout, events_poll=events_poll, keepalive=keepalive)
+    api = _ControlApi(
+        bus,
+        timeout=timeout,
+        events_poll=events_poll,
+        keepalive=keepalive,
+        body_timeout=body_timeout,
+    )
     app = web.Application(middlewares=[json_errors])
     app.router.add_post("/clusters", api.create_cluster, name="clusters")
     app.router.add_get("/clusters", api.list_clusters)
@@ -259,9 +278,23 @@ def _ok(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> 
     )
 
 
-async def _json_object(request: web.Request) -> bytes:
+async def read_body(request: web.Request, limit: float) -> bytes:
+    """The whole body, or a 408 once `limit` seconds passed: a body trickled in a byte at a
+    time (slow loris) would otherwise hold a connection and a handler forever."""
+    try:
+        async with asyncio.timeout(limit):
+            return await request.read()
+    except TimeoutError:
+        raise ControlError(
+            408,
+            "request_timeout",
+            f"the request body did not arrive within {limit:g} s",
+            close=True,
+        ) from None
+
+
+def _json_object(raw: bytes) -> bytes:
     """The raw body, once it is known to be one JSON object."""
-    raw = await request.read()
     try:
         msgspec.json.decode(raw, type=dict[str, Any])
     except msgspec.ValidationError as exc:  # before DecodeError: it is one
@@ -292,9 +325,18 @@ def last_event_id(request: web.Request) -> int | None:
 
 
 class _ControlApi:
-    def __init__(self, bus: Bus, *, timeout: float, events_poll: float, keepalive: float) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        timeout: float,
+        events_poll: float,
+        keepalive: float,
+        body_timeout: float,
+    ) -> None:
         self.bus = bus
         self.timeout = timeout
+        self.body_timeout = body_timeout
         self.events_poll = events_poll
         self.keepalive = keepalive
 
@@ -332,7 +374,8 @@ class _ControlApi:
     # -- clusters and nodes -------------------------------------------------------------
 
     async def create_cluster(self, request: web.Request) -> web.Response:
-        cluster = await self.call("cluster.create", await _json_object(request))
+        raw = await read_body(request, self.body_timeout)
+        cluster = await self.call("cluster.create", _json_object(raw))
         headers = {}
         if isinstance(cluster, dict) and isinstance(cluster.get("name"), str):
             url = request.app.router["cluster"].url_for(name=cluster["name"])
@@ -346,7 +389,7 @@ class _ControlApi:
         return _ok(await self.call("cluster.get", {"name": request.match_info["name"]}))
 
     async def scale_cluster(self, request: web.Request) -> web.Response:
-        raw = await request.read()
+        raw = await read_body(request, self.body_timeout)
         try:
             body = msgspec.json.decode(raw, type=ScaleBody)
         except msgspec.ValidationError as exc:  # before DecodeError: it is one

@@ -25,6 +25,7 @@ from .app import build_app
 from .auth import KeyRing
 from .dispatch import Dispatcher
 from .feed import RoutingFeed
+from .http_protocol import GatewayRunner
 from .instruments import Instruments
 from .metrics import Registry
 from .proxy import Affinity, Proxy, ProxySettings
@@ -130,8 +131,9 @@ class Gateway:
             self.registry,
             ready=self.feed.ready.is_set,
             max_body_bytes=self.config.max_body_bytes,
+            request_body_timeout_s=self.config.request_body_timeout_s,
         )
-        runner = web.AppRunner(
+        runner = GatewayRunner(
             app,
             access_log=None,  # the proxy logs each request itself, with its routing context
             handler_cancellation=True,  # a client that goes away stops its upstream request
