@@ -225,6 +225,9 @@ class Controller:
         if not self._heartbeat_limit.admit(sender):
             self._drop("rate_limited", msg, f"node {sender} is over its heartbeat rate")
             return
+        if self._heartbeat_limit.oversized(msg.data):
+            self._drop("oversized", msg, f"a heartbeat of {len(msg.data)} bytes from {sender}")
+            return
         hb = msgspec.json.decode(msg.data, type=Heartbeat)
         if hb.node_id != sender:
             self._drop("impersonation", msg, f"heartbeat for {hb.node_id} on {msg.subject}")

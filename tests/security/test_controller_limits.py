@@ -1,0 +1,54 @@
+"""Oversized heartbeats, on virtual time: a heartbeat is stored as an event, so one over the
+intake's size cap is dropped and counted before decoding, whatever the rate, and the node's
+ordinary heartbeats go on counting."""
+
+from __future__ import annotations
+
+import msgspec
+
+from actors.intake_limit import MAX_MESSAGE_BYTES, IntakeLimiter
+from events import subjects
+from events.messages import Heartbeat
+from events.node import NodeHeartbeat
+from sim import run_simulation
+from tests.control.harness import fleet
+
+
+class _Clock:
+    def monotonic(self) -> float:
+        return 0.0
+
+    def wall_ns(self) -> int:
+        return 0
+
+
+def test_the_size_cap_is_inclusive() -> None:
+    limit = IntakeLimiter(_Clock(), rate_per_s=1.0, burst=1, max_message_bytes=10)
+    assert not limit.oversized(b"x" * 10)
+    assert limit.oversized(b"x" * 11)
+    assert IntakeLimiter(_Clock(), rate_per_s=1.0, burst=1).max_message_bytes == MAX_MESSAGE_BYTES
+
+
+def test_an_oversized_heartbeat_is_dropped_counted_and_never_stored() -> None:
+    async def main() -> None:
+        async with fleet(2) as f:
+            fat = Heartbeat(node_id="n0", seq=10**6, probe_error="x" * MAX_MESSAGE_BYTES)
+            for _ in range(5):  # within the burst: only the size stops them
+                await f.bus.publish(subjects.heartbeat("n0"), msgspec.json.encode(fat))
+            await f.until(lambda: f.controller.dropped["oversized"] == 5, within=5, why="dropped")
+
+            def beats(node: str) -> list[int]:
+                return [
+                    e.payload.seq
+                    for e in f.store.read_all_now()
+                    if isinstance(e.payload, NodeHeartbeat) and e.payload.node_id == node
+                ]
+
+            assert 10**6 not in beats("n0")
+            # The node's own heartbeats still arrive and count.
+            seen = len(beats("n0"))
+            await f.until(lambda: len(beats("n0")) >= seen + 3, within=10, why="beats go on")
+            for node in ("n0", "n1"):
+                assert f.state.nodes.nodes[node].health == "healthy", node
+
+    run_simulation(main())
