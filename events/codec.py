@@ -35,8 +35,16 @@ def decode_payload(type_tag: str, data: bytes) -> DomainEvent | Undecodable:
         if type_tag in UPCASTERS:
             return _upcast(type_tag, data)
         return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError, ValueError) as exc:
-        return Undecodable(raw=bytes(data), error=f"{type(exc).__name__}: {exc}")
+    except (
+        msgspec.DecodeError,
+        msgspec.ValidationError,
+        LookupError,
+        TypeError,
+        ValueError,
+        AttributeError,  # an upcaster written for a dict, handed a list or a string
+    ) as exc:
+        error = " ".join(f"{type(exc).__name__}: {exc}".split())
+        return Undecodable(raw=bytes(data), error=error)
 
 
 def _upcast(type_tag: str, data: bytes) -> DomainEvent:
