@@ -276,6 +276,9 @@ class Controller:
         return self._lease_index
 
     async def _on_register(self, msg: Msg) -> None:
+        if self._heartbeat_limit.oversized(msg.data):
+            self._drop("oversized", msg, f"a registration of {len(msg.data)} bytes")
+            return
         reg = msgspec.json.decode(msg.data, type=Register)
         if reg.node_id != subjects.node_of(msg.subject):
             self._drop("impersonation", msg, f"register for {reg.node_id} on {msg.subject}")
@@ -314,6 +317,9 @@ class Controller:
             )
 
     async def _on_report(self, msg: Msg) -> None:
+        if self._heartbeat_limit.oversized(msg.data):
+            self._drop("oversized", msg, f"a report of {len(msg.data)} bytes")
+            return
         report = msgspec.json.decode(msg.data, type=ReplicaReport)
         if report.node_id != subjects.node_of(msg.subject):
             self._drop("impersonation", msg, f"report for {report.node_id} on {msg.subject}")

@@ -34,7 +34,7 @@ from ._append_rules import check_batch
 from ._commit_signal import CommitSignal, follow
 from .catalog import HEARTBEAT_TYPE
 from .codec import decode_payload, encode_payload
-from .envelope import Envelope, NewEvent
+from .envelope import Envelope, NewEvent, Undecodable
 from .errors import (
     ConcurrencyConflict,
     DuplicateEventId,
@@ -261,6 +261,30 @@ def _envelope(row: tuple[Any, ...]) -> Envelope:
     if type(data) is not bytes:
         data = _as_bytes(data)
     type_tag = type_ if type(type_) is str else ("" if type_ is None else str(type_))
+    # A damaged row (a column not of the schema's type) reads back in place as Undecodable,
+    # with safe values, rather than handing a fold or an actor bytes where it expects text.
+    wrong = [
+        name
+        for name, value, kind in (
+            ("event_id", event_id, str),
+            ("stream", stream, str),
+            ("version", version, int),
+            ("recorded_at", recorded_at, int),
+        )
+        if type(value) is not kind
+    ]
+    if wrong:
+        return Envelope(
+            event_id=event_id if type(event_id) is str else "",
+            stream=stream if type(stream) is str else "",
+            version=version if type(version) is int else 0,
+            position=position,
+            type=type_tag,
+            recorded_at=recorded_at if type(recorded_at) is int else 0,
+            payload=Undecodable(
+                raw=data, error=f"damaged row: {', '.join(wrong)} not of the schema's type"
+            ),
+        )
     return Envelope(
         event_id=event_id,
         stream=stream,

@@ -52,3 +52,21 @@ def test_an_oversized_heartbeat_is_dropped_counted_and_never_stored() -> None:
                 assert f.state.nodes.nodes[node].health == "healthy", node
 
     run_simulation(main())
+
+
+def test_oversized_registrations_and_reports_are_dropped_too() -> None:
+    async def main() -> None:
+        async with fleet(1) as f:
+            fat = (
+                b'{"type": "register.v1", "node_id": "n0", "hostname": "'
+                + b"x" * (MAX_MESSAGE_BYTES)
+                + b'"}'
+            )
+            await f.bus.publish(subjects.register("n0"), fat)
+            await f.bus.publish(subjects.report("n0"), fat.replace(b"register.v1", b"r"))
+            await f.until(lambda: f.controller.dropped["oversized"] == 2, within=5, why="dropped")
+            registered = [e for e in f.store.read_all_now() if e.type == "node.registered.v1"]
+            assert all(len(e.payload.hostname) < 1000 for e in registered)  # type: ignore[union-attr]
+            assert f.state.nodes.nodes["n0"].health == "healthy"
+
+    run_simulation(main())

@@ -100,13 +100,6 @@ def test_damaged_rows_read_back_in_place_and_rebuild_folds_the_rest(
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="events/sqlite_store.py _envelope passes a non-text stream column through, and the "
-    "fold calls str methods on it; the fix belongs there (a row whose columns are not the "
-    "schema's types reads back Undecodable)",
-)
 def test_a_stream_column_that_is_not_text_reads_back_undecodable(tmp_path: Path) -> None:
     async def main() -> None:
         path = tmp_path / "events.db"
