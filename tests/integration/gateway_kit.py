@@ -101,12 +101,17 @@ class Upstream:
         app.router.add_post("/v1/completions", self.chat)
         app.router.add_post("/v1/embeddings", self.chat)
         app.router.add_get("/health", self.health)
+        app.on_response_prepare.append(self._mark)
         self.runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
         await site.start()
         self.port = self.runner.addresses[0][1]
         return self
+
+    async def _mark(self, request: web.Request, response: web.StreamResponse) -> None:
+        # Every answer, the router's own 404/405 included, says it came from this upstream.
+        response.headers.setdefault("X-Upstream", self.name)
 
     async def stop(self) -> None:
         if self.runner is not None:
