@@ -27,8 +27,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench._gateway_process import free_port  # noqa: E402
 from nodeagent.front import DirectFront, front_path  # noqa: E402
+from tests.integration.gateway_kit import free_port  # noqa: E402
 
 CHAT = b'{"model": "echo", "messages": [{"role": "user", "content": "front"}]}'
 

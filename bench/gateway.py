@@ -841,6 +841,30 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _against_baselines(med: dict[str, Any], kind: str, key: str, value: float) -> list[str]:
+    """A figure, then its ratio to the direct run's and to nginx's."""
+    return [
+        fmt(value),
+        ratio(value, get(med, "direct", kind, key)),
+        ratio(value, get(med, "nginx", kind, key)),
+    ]
+
+
+def _cpu_cells(med: dict[str, Any], target: str, kind: str, r: dict[str, Any]) -> list[str]:
+    """Proxy CPU per request and its ratios; for the direct run, the upstream's own CPU."""
+    if target == "direct":
+        return [
+            f"(upstream {fmt(r['upstream_us'], 1)})",
+            "1.00",
+            ratio(r["upstream_us"], get(med, "nginx", kind, "proxy_us")),
+        ]
+    return [
+        fmt(r["proxy_us"], 1),
+        ratio(r["proxy_us"], get(med, "direct", kind, "upstream_us")),
+        ratio(r["proxy_us"], get(med, "nginx", kind, "proxy_us")),
+    ]
+
+
 def plain_table(med: dict[str, Any], order: list[str], kind: str) -> str:
     rows = []
     for t in order:
@@ -849,22 +873,9 @@ def plain_table(med: dict[str, Any], order: list[str], kind: str) -> str:
         r = med[t][kind]
 
         def three(key: str, r: dict[str, Any] = r) -> list[str]:
-            value = r[key]
-            return [
-                fmt(value),
-                ratio(value, get(med, "direct", kind, key)),
-                ratio(value, get(med, "nginx", kind, key)),
-            ]
+            return _against_baselines(med, kind, key, r[key])
 
-        if t == "direct":
-            cpu = [f"(upstream {fmt(r['upstream_us'], 1)})", "1.00", "-"]
-            cpu[2] = ratio(r["upstream_us"], get(med, "nginx", kind, "proxy_us"))
-        else:
-            cpu = [
-                fmt(r["proxy_us"], 1),
-                ratio(r["proxy_us"], get(med, "direct", kind, "upstream_us")),
-                ratio(r["proxy_us"], get(med, "nginx", kind, "proxy_us")),
-            ]
+        cpu = _cpu_cells(med, t, kind, r)
         cores = r["proxy_cpu_s"] / r["seconds"] if t != "direct" else 0.0
         bad = f"{int(r['non2xx'])}/{int(r['errors'])}"
         rows.append(
@@ -910,22 +921,9 @@ def stream_table(med: dict[str, Any], order: list[str], kind: str) -> str:
         r = med[t][kind]
 
         def three(key: str, r: dict[str, Any] = r) -> list[str]:
-            value = r[key]
-            return [
-                fmt(value),
-                ratio(value, get(med, "direct", kind, key)),
-                ratio(value, get(med, "nginx", kind, key)),
-            ]
+            return _against_baselines(med, kind, key, r[key])
 
-        if t == "direct":
-            cpu = [f"(upstream {fmt(r['upstream_us'], 1)})", "1.00"]
-            cpu.append(ratio(r["upstream_us"], get(med, "nginx", kind, "proxy_us")))
-        else:
-            cpu = [
-                fmt(r["proxy_us"], 1),
-                ratio(r["proxy_us"], get(med, "direct", kind, "upstream_us")),
-                ratio(r["proxy_us"], get(med, "nginx", kind, "proxy_us")),
-            ]
+        cpu = _cpu_cells(med, t, kind, r)
         bad = f"{int(r['incomplete'])}/{int(r['non2xx'])}/{int(r['errors'])}"
         rows.append(
             [

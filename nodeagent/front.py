@@ -15,7 +15,6 @@ responses are relayed chunk by chunk.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any, Final
 
 import aiohttp
@@ -25,10 +24,7 @@ from aiohttp import web
 
 from events.tunnel import HOP_BY_HOP
 
-# (replica_id, epoch) -> the workload's base URL, or None when it does not run here.
-Resolve = Callable[[str, int], str | None]
-# (replica_id, epoch) -> why the node must not serve it now ('' when it may).
-Fence = Callable[[str, int], str]
+from .tunnel import Fence, Resolve  # the same two questions the tunnel asks
 
 PREFIX: Final = "/replica/"
 CONNECT_TIMEOUT_S: Final = 2.0
