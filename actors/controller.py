@@ -88,6 +88,9 @@ class Controller:
         self._system: ActorSystem | None = None
         self._rng = env.derive_rng("scheduler")
         self._spawn_lock = asyncio.Lock()
+        # The cluster actors by name, so a reconcile pass need not scan every actor (nodes
+        # included: O(fleet) per pass, most of a 10,000-node registration storm).
+        self._cluster_refs: dict[str, ActorRef[ClusterMsg]] = {}
         self._last_routes: tuple[Any, ...] | None = None
         self.log = env.log.bind(component="controller")
 
@@ -109,9 +112,11 @@ class Controller:
         )
 
     async def cluster(self, name: str) -> ActorRef[ClusterMsg]:
-        return await self._get_or_spawn(
+        ref = await self._get_or_spawn(
             f"cluster:{name}", lambda: ClusterActor(name, self), {"cluster": name}
         )
+        self._cluster_refs[name] = ref
+        return ref
 
     async def _get_or_spawn(
         self, name: str, factory: Callable[[], Any], context: dict[str, Any]
@@ -233,7 +238,7 @@ class Controller:
             self._drop("impersonation", msg, f"heartbeat for {hb.node_id} on {msg.subject}")
             return
         ref = await self.node(hb.node_id)
-        if ref.stats().size >= ref.stats().capacity:
+        if ref.full:
             # A flooding node fills only its own mailbox; everyone else's heartbeats go on.
             self._drop("flood", msg, f"node {hb.node_id} mailbox full")
             return
@@ -342,7 +347,7 @@ class Controller:
             ejected_for_s=suspicion.ejected_for_s,
         )
         # Evidence, not a command: under load, dropping one beats queueing behind it.
-        if ref.stats().size < ref.stats().capacity:
+        if not ref.full:
             ref.try_tell(message)
 
     async def _route_report(self, node_id: str, replica: Any) -> None:
@@ -352,7 +357,7 @@ class Controller:
             return
         cluster = self.live.state.clusters.clusters.get(view.cluster)
         ref = await self.replica(replica.replica_id, cluster.spec if cluster else None)
-        if ref.stats().size < ref.stats().capacity:
+        if not ref.full:
             ref.try_tell(Report(node_id, replica))
 
     # -- loops ------------------------------------------------------------------------
@@ -369,8 +374,11 @@ class Controller:
             if self.env.buggify("controller.reconcile.skip"):
                 continue
             names = set(self.live.state.clusters.clusters)
-            system = self._require_system()
-            names |= {n.split(":", 1)[1] for n in system.names() if n.startswith("cluster:")}
+            for name, ref in list(self._cluster_refs.items()):
+                if ref.stopped:
+                    del self._cluster_refs[name]
+                else:
+                    names.add(name)  # an actor still running for a deleted cluster
             for name in sorted(names):
                 ref = await self.cluster(name)
                 # Coalesce: one queued Reconcile is as good as many.

@@ -77,6 +77,10 @@ class Mailbox(Generic[T]):
     def __len__(self) -> int:
         return self._size
 
+    @property
+    def full(self) -> bool:
+        return self._size >= self._capacity
+
     async def send(self, item: T) -> None:
         while True:
             if self._closed:

@@ -64,6 +64,11 @@ class ActorRef(Generic[M]):
     def stats(self) -> MailboxStats:
         return self._mailbox.stats()
 
+    @property
+    def full(self) -> bool:
+        """Whether `try_tell` would raise MailboxFull now (cheaper than `stats()`)."""
+        return self._mailbox.full
+
     async def tell(self, msg: M) -> None:
         """Queue `msg`, waiting while the mailbox is full. A handler error crashes the actor."""
         try:

@@ -23,7 +23,7 @@ class MemoryEventStore:
         self._by_id: dict[str, Envelope] = {}
         self._snapshots: dict[str, Snapshot] = {}
         self._next_position = 1
-        self._signal = CommitSignal()
+        self._signal = CommitSignal(head=0)
         self._closed = False
 
     async def append(
@@ -68,7 +68,7 @@ class MemoryEventStore:
             history.append(envelope)
             self._by_id[envelope.event_id] = envelope
             positions.append(envelope.position)
-        self._signal.fire()
+        self._signal.fire(self._next_position - 1)
         return positions
 
     def _already_stored(self, stream: str, events: Sequence[NewEvent]) -> list[int] | None:

@@ -70,6 +70,7 @@ DEFAULT_RECONNECT_WAIT_S: Final = 0.5  # NatsBus.connect's reconnect_wait
 DEFAULT_EVICT_AFTER_S: Final = 300.0  # nats-server: ping_interval 2 min, ping_max 2
 _NO_RESPONDERS: Final = "503"  # the status a server sends for a request nobody listens to
 _PROTOCOL_OVERHEAD: Final = 16  # "PUB ... \r\n...\r\n", roughly, for the pending buffer
+_WILDCARD_HITS_KEPT: Final = 65_536  # subjects whose wildcard matches are remembered
 
 ReconnectCallback = Callable[[], Awaitable[None]]
 
@@ -390,6 +391,8 @@ class SimNetwork:
         # (most: inboxes, per-node subjects), and the few with wildcards.
         self._literal: dict[str, list[SimSubscription]] = {}
         self._wildcard: list[SimSubscription] = []
+        # subject -> the wildcard subscriptions matching it; emptied when those change.
+        self._wildcard_hits: dict[str, list[SimSubscription]] = {}
         self._links: dict[tuple[str, str], LinkFaults] = {}
         self._cuts: set[tuple[str, str]] = set()  # membership tests only, never iterated
         self._lanes: dict[tuple[str, str], deque[_Flight]] = {}  # per link, in flight
@@ -515,10 +518,12 @@ class SimNetwork:
             self._literal.setdefault(sub.subject, []).append(sub)
         else:
             self._wildcard.append(sub)
+            self._wildcard_hits.clear()
 
     def _discard(self, sub: SimSubscription) -> None:
         if not _is_literal(sub.subject):
             self._wildcard.remove(sub)
+            self._wildcard_hits.clear()
             return
         same = self._literal[sub.subject]
         same.remove(sub)
@@ -544,7 +549,12 @@ class SimNetwork:
         self.stats.published += 1
         now = self._now()
         subject = msg.subject
-        matching = [s for s in self._wildcard if subject_matches(s.subject, subject)]
+        matching = self._wildcard_hits.get(subject)
+        if matching is None:
+            if len(self._wildcard_hits) >= _WILDCARD_HITS_KEPT:
+                self._wildcard_hits.clear()  # reply inboxes are many and used once
+            matching = [s for s in self._wildcard if subject_matches(s.subject, subject)]
+            self._wildcard_hits[subject] = matching
         literal = self._literal.get(subject)
         if literal:
             matching = sorted([*literal, *matching], key=_by_sid) if matching else literal

@@ -162,3 +162,38 @@ def test_threads_are_refused() -> None:
 
     with pytest.raises(SimulationError, match="threads are not available"):
         run_simulation(main())
+
+
+def test_timers_fire_once_each_in_time_order_through_a_purge_of_cancelled_ones() -> None:
+    """Hundreds of cancelled timers (as `asyncio.timeout` leaves behind) make the loop purge
+    its heap in the middle of a turn; every live timer still fires exactly once, at its time,
+    and timers due at the same instant fire in the order they were scheduled."""
+    fired: list[tuple[float, int]] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        dead = [loop.call_later(5.0 + i, fired.append, (-1.0, i)) for i in range(500)]
+        for k in range(300):
+            loop.call_at(1.0 + (k % 3), lambda k=k: fired.append((loop.time(), k)))
+        for handle in dead:
+            handle.cancel()
+        await asyncio.sleep(10.0)
+
+    run_simulation(main())
+    assert sorted(fired) == fired
+    assert [k for _, k in fired] == sorted(range(300), key=lambda k: (k % 3, k))
+    assert {t for t, _ in fired} == {1.0, 2.0, 3.0}
+
+
+def test_the_loop_keeps_asyncio_checks_in_debug_mode() -> None:
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        loop.set_debug(True)
+        with pytest.raises(TypeError):
+            loop.call_soon("not callable")  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            loop.call_later(1.0, "not callable")  # type: ignore[arg-type]
+        await asyncio.sleep(2.5)
+        return loop.time()
+
+    assert run_simulation(main()) == 2.5

@@ -587,3 +587,32 @@ def test_the_trace_does_not_depend_on_the_hash_seed() -> None:
         )
         digests.add(done.stdout.strip())
     assert digests == {digest(run_simulation(scripted(1)))}
+
+
+def test_wildcard_subscriptions_made_or_dropped_after_a_subject_was_routed_take_effect() -> None:
+    """The network remembers which wildcard subscriptions match a subject; subscribing or
+    unsubscribing a wildcard must make it look again."""
+
+    async def main() -> list[tuple[int, int, int]]:
+        net = SimNetwork(random.Random(3))
+        sender, receiver = net.endpoint("a"), net.endpoint("b")
+        plain = await receiver.subscribe("node.heartbeat.v1.n1")
+        counts = []
+        for step in range(3):
+            if step == 1:
+                star = await receiver.subscribe("node.heartbeat.v1.*")
+                tail = await receiver.subscribe("node.>")
+            if step == 2:
+                await star.unsubscribe()
+            await sender.publish("node.heartbeat.v1.n1", b"x")
+            await asyncio.sleep(1.0)
+            counts.append(
+                (arrived(plain), arrived(star) if step else 0, arrived(tail) if step else 0)
+            )
+        return counts
+
+    def arrived(sub: MemorySubscription) -> int:
+        items = [sub._inbox.get_nowait() for _ in range(sub._inbox.qsize())]
+        return sum(1 for msg in items if msg is not None)  # None: the unsubscribe marker
+
+    assert simulate(main) == [(1, 0, 0), (1, 1, 1), (1, 0, 1)]
