@@ -14,6 +14,11 @@
         One row; with --profile, under cProfile, and the top costs by own time and by
         cumulative time, as file:function.
 
+    python bench/sim.py --floor [--nodes 1000]
+        The floor under any heartbeat on this loop: N tasks that sleep 1 virtual second and
+        hand a value to one consumer through a Queue, nothing else; microseconds per beat and
+        the speed-up that alone would allow at N nodes.
+
     python bench/sim.py --seeds 4 [--jobs 2]
         Seeds of sim/scenarios/fleet-100.toml (100 nodes, 300 s of faults + 120 s settling):
         first one after the other in this process, then `gpumesh sim fuzz fleet-100 --seeds N
@@ -226,6 +231,45 @@ def measure_in_child(
         raise SystemExit(f"bench child failed ({done.returncode}): {shlex.join(command)}")
     result: dict[str, Any] = json.loads(done.stdout)
     return result
+
+
+# -- the floor -------------------------------------------------------------------------------
+
+
+def measure_floor(nodes: int, seconds: float) -> dict[str, Any]:
+    """The bare shape of a heartbeat: a sleeping task per node and a queue hand-off."""
+
+    async def agent(queue: asyncio.Queue[int], i: int) -> None:
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(i / nodes)
+        while loop.time() < seconds:
+            await asyncio.sleep(1.0)
+            queue.put_nowait(i)
+
+    async def consumer(queue: asyncio.Queue[int], got: list[int]) -> None:
+        while True:
+            got.append(await queue.get())
+
+    async def main() -> int:
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        got: list[int] = []
+        async with asyncio.TaskGroup() as group:
+            eater = group.create_task(consumer(queue, got))
+            await asyncio.gather(*(agent(queue, i) for i in range(nodes)))
+            eater.cancel()
+        return len(got)
+
+    wall0 = time.perf_counter()
+    beats = run_simulation(main())
+    wall = time.perf_counter() - wall0
+    return {
+        "nodes": nodes,
+        "seconds": seconds,
+        "beats": beats,
+        "wall_s": round(wall, 3),
+        "us_per_beat": round(1e6 * wall / beats, 2),
+        "speedup_ceiling": round(seconds / wall, 1),
+    }
 
 
 # -- profile ---------------------------------------------------------------------------------
@@ -458,6 +502,9 @@ def main() -> int:
     parser.add_argument(
         "--sequential", type=int, default=2, help="seeds run one after another first (2)"
     )
+    parser.add_argument(
+        "--floor", action="store_true", help="the loop's floor: a sleep and a queue hop per beat"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -467,6 +514,19 @@ def main() -> int:
     if args.child:
         row = measure(args.nodes, args.seconds, budget_s=args.budget, fault=fault, seed=args.seed)
         print(json.dumps(row))
+        return 0
+
+    if args.floor:
+        floor = measure_floor(args.nodes or 1_000, min(args.seconds, 20.0))
+        if args.json:
+            print(json.dumps(floor))
+        else:
+            print(
+                f"floor at {floor['nodes']} nodes: {floor['beats']} beats in {floor['wall_s']} s "
+                f"wall, {floor['us_per_beat']} us per beat: at most "
+                f"{floor['speedup_ceiling']}x real time with handlers that do nothing"
+            )
+            print(f"\ncommand: {command}")
         return 0
 
     if args.seeds is not None:
