@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
+import weakref
 
 import pytest
 
@@ -197,3 +199,22 @@ def test_the_loop_keeps_asyncio_checks_in_debug_mode() -> None:
         return loop.time()
 
     assert run_simulation(main()) == 2.5
+
+
+def test_a_run_starts_by_collecting_the_cycles_an_earlier_run_left() -> None:
+    """A run collects young garbage rarely, so a long-lived cycle from one run reaches the
+    oldest generation; a process running seed after seed (the fuzz's workers) must not pile
+    them up."""
+
+    class Cycle:
+        me: object
+
+    async def leave_a_cycle() -> weakref.ref[Cycle]:
+        cycle = Cycle()
+        cycle.me = cycle
+        gc.collect()  # it survives into the oldest generation, as a world does over a run
+        return weakref.ref(cycle)
+
+    left = run_simulation(leave_a_cycle())
+    run_simulation(asyncio.sleep(0))
+    assert left() is None
