@@ -302,7 +302,10 @@ async def cluster_create(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         raise CommandFailed(f"no such spec file: {args.file}") from None
     except SpecError as exc:
-        raise CommandFailed(f"{args.file}: {exc}") from None
+        # A TOML error names the file already (it is the parser's `source`); a field error not.
+        where = f"{args.file}: "
+        message = str(exc)
+        raise CommandFailed(message if message.startswith(where) else where + message) from None
     data = await call(args, "cluster.create", spec)
     return _emit(args, data, f"created cluster {spec.name} ({spec.replicas} replicas)")
 

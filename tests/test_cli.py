@@ -197,3 +197,27 @@ def test_a_user_error_raised_inside_a_task_group_is_still_one_line(
         f"see {tmp_path / 'logs' / 'agent-node-0.log'}"
     ]
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("garbage = [\n", "not valid TOML: "),
+        (
+            'name = "bad"\nreplicas = "three"\ncommand = "x"\n',
+            "replicas: Expected `int`, got `str`",
+        ),
+    ],
+)
+def test_a_malformed_cluster_spec_is_one_line_naming_the_file_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, expected: str
+) -> None:
+    spec = tmp_path / "bad.toml"
+    spec.write_text(text)
+    # The spec is read before any connection: no NATS is needed to be told it is bad.
+    code, out, err = run(
+        capsys, "cluster", "create", "-f", str(spec), "--nats", "nats://127.0.0.1:1"
+    )
+    assert code == 1 and out == ""
+    assert err == f"gpumesh: error: {spec}: {expected}" + err.split(expected, 1)[1]
+    assert err.count(str(spec)) == 1 and err.strip().count("\n") == 0
