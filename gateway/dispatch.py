@@ -84,8 +84,11 @@ class Dispatcher:
         attempt: Callable[[RouteEntry, float], Awaitable[T]],
         *,
         key: str = "",
+        repeatable: bool = True,
     ) -> tuple[RouteEntry, T]:
-        """The route that answered and what `attempt` returned for it.
+        """The route that answered and what `attempt` returned for it. A request that is not
+        `repeatable` is tried again only after a failure that proves it never reached a
+        replica (RetryPolicy.retryable).
 
         The request stays outstanding on that route: the caller calls
         `router.finished(route, ...)` once the body is done, with "ok", "stream_broken" or
@@ -119,7 +122,7 @@ class Dispatcher:
                 tried.append(route)
             delay = self.policy.backoff(attempts, self._rng)
             if (
-                not self.policy.retryable(failure.outcome)
+                not self.policy.retryable(failure.outcome, repeatable=repeatable)
                 or attempts >= self.policy.max_attempts
                 or self._clock.monotonic() + delay >= deadline
             ):

@@ -54,6 +54,8 @@ class _OpenAIBody(msgspec.Struct):
 
 _BODY = msgspec.json.Decoder(_OpenAIBody)
 _ERROR = msgspec.json.Encoder()
+# RFC 9110 section 9.2.2: repeating one of these has the effect of sending it once.
+_IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 # Client headers that stop at the gateway: its own credentials, and what each hop sets itself.
 _DROP = HOP_BY_HOP | {"authorization", "x-request-id", "accept-encoding"}
 
@@ -143,8 +145,16 @@ class Proxy:
             return openai_error(400, f"the body is not a valid request: {exc}", "invalid_body")
         if not parsed.model:
             return openai_error(400, "`model` is required: one of GET /v1/models", "missing_model")
+        # An inference call changes nothing on the replica: repeating it after a failure is
+        # what keeps clients from seeing errors a healthy replica could have answered.
         return await self._forward(
-            request, tenant, parsed.model, request.path_qs, body, self._affinity_key(parsed)
+            request,
+            tenant,
+            parsed.model,
+            request.path_qs,
+            body,
+            self._affinity_key(parsed),
+            repeatable=True,
         )
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
@@ -158,7 +168,12 @@ class Proxy:
         body = await self._read_body(request)
         if isinstance(body, web.Response):
             return body
-        return await self._forward(request, tenant, cluster, f"/{tail}{query}", body, "")
+        # Any API at all: a POST may create something, so it is repeated only when the client
+        # says it is safe to (an Idempotency-Key) or the method is idempotent (RFC 9110 9.2.2).
+        repeatable = request.method in _IDEMPOTENT_METHODS or "Idempotency-Key" in request.headers
+        return await self._forward(
+            request, tenant, cluster, f"/{tail}{query}", body, "", repeatable=repeatable
+        )
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
         limit = self.settings.request_body_timeout_s
@@ -225,6 +240,8 @@ class Proxy:
         path: str,
         body: bytes,
         key: str,
+        *,
+        repeatable: bool,
     ) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -288,7 +305,9 @@ class Proxy:
             broken: StreamBroken | None = None
             for _ in range(self.dispatcher.policy.max_attempts):
                 try:
-                    route, answer = await self.dispatcher.run(cluster, attempt, key=key)
+                    route, answer = await self.dispatcher.run(
+                        cluster, attempt, key=key, repeatable=repeatable
+                    )
                 except _TooLarge as exc:
                     status = 413
                     return _with_id(openai_error(413, str(exc), "too_large"), request_id)
@@ -319,11 +338,17 @@ class Proxy:
                 except AttemptsExhausted as exc:
                     timed_out = isinstance(exc.last, FirstByteTimeout)
                     status = 504 if timed_out else 502
+                    why = ""
+                    if not repeatable and exc.last.outcome != "connect_error":
+                        why = (
+                            f"; not retried: a {request.method} is repeated only with an "
+                            f"Idempotency-Key"
+                        )
                     return _with_id(
                         openai_error(
                             status,
                             f"no replica of {cluster!r} answered after {exc.attempts} "
-                            f"attempt(s); last: {exc.last}",
+                            f"attempt(s); last: {exc.last}{why}",
                             exc.last.outcome,
                         ),
                         request_id,
@@ -333,11 +358,23 @@ class Proxy:
                     try:
                         await self._buffer(answer, started)
                     except StreamBroken as exc:
-                        # Nothing reached the client yet: another replica can answer in full.
+                        # Nothing reached the client yet: another replica can answer in full,
+                        # if the request may be repeated (this one reached a replica).
                         broken = exc
                         last_failure = exc.outcome
                         self._finish(route, "stream_broken")
-                        continue
+                        if repeatable:
+                            continue
+                        status = 502
+                        return _with_id(
+                            openai_error(
+                                502,
+                                f"the answer broke off before its end ({exc}); not retried: "
+                                f"a {request.method} is repeated only with an Idempotency-Key",
+                                "reset",
+                            ),
+                            request_id,
+                        )
                     except TimeoutError:
                         self._finish(route, "first_byte_timeout")
                         await answer.response.aclose()

@@ -12,6 +12,9 @@ from .transport.base import Outcome
 _RETRYABLE: frozenset[Outcome] = frozenset(
     {"connect_error", "reset", "status_5xx", "first_byte_timeout"}
 )
+# Of those, the ones where the request surely never reached a workload: the only ones a
+# request that is not safe to repeat (a POST to /c/<cluster>/...) is retried after.
+_NEVER_DELIVERED: frozenset[Outcome] = frozenset({"connect_error"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +39,12 @@ class RetryPolicy:
             if not ok:
                 raise ValueError(f"RetryPolicy.{name} must be {rule}, got {getattr(self, name)!r}")
 
-    def retryable(self, outcome: Outcome) -> bool:
+    def retryable(self, outcome: Outcome, *, repeatable: bool = True) -> bool:
         """stream_broken came after the head (the client already has bytes); cancelled means
-        nobody is waiting for an answer."""
-        return outcome in _RETRYABLE
+        nobody is waiting for an answer. A request that is not `repeatable` may have done its
+        work on a replica that then reset, timed out or answered 5xx: it is retried only when
+        it never got there (nginx's rule for non-idempotent methods)."""
+        return outcome in (_RETRYABLE if repeatable else _NEVER_DELIVERED)
 
     def backoff(self, failed_attempts: int, rng: RandomSource) -> float:
         """Full jitter (AWS Architecture Blog, "Exponential Backoff and Jitter"): retries from

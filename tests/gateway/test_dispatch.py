@@ -149,6 +149,26 @@ async def test_stream_broken_is_not_retried() -> None:
     assert stats(router)[upstream.replicas[0]].failures == 1
 
 
+@pytest.mark.parametrize("failure", ["5xx", "reset", "fbt"])
+async def test_a_request_not_safe_to_repeat_is_not_retried_once_it_may_have_arrived(
+    failure: str,
+) -> None:
+    router, dispatcher, _ = build(LoopClock(), policy=RetryPolicy(first_byte_timeout_s=0.05))
+    upstream = Upstream([failure if failure != "fbt" else "hang"])
+    with pytest.raises(AttemptsExhausted) as caught:
+        await dispatcher.run("llama", upstream, repeatable=False)
+    assert caught.value.attempts == 1 and len(upstream.calls) == 1
+    assert stats(router)[upstream.replicas[0]].failures == 1  # still counted against it
+
+
+async def test_a_request_not_safe_to_repeat_is_retried_when_it_surely_never_arrived() -> None:
+    _, dispatcher, _ = build(LoopClock(), ("llama-0", "llama-1"))
+    upstream = Upstream(["connect"])
+    route, _ = await dispatcher.run("llama", upstream, repeatable=False)
+    first, second = upstream.replicas
+    assert first != second == route.replica_id
+
+
 async def test_unknown_cluster_fails_at_once() -> None:
     _, dispatcher, _ = build(LoopClock())
     upstream = Upstream()

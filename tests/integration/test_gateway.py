@@ -377,6 +377,72 @@ async def test_cluster_passthrough_reaches_any_path(
             assert resp.status == 404
 
 
+async def test_a_passthrough_post_is_repeated_only_when_it_is_safe_to(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    """/c/<cluster>/ reaches any API, so a POST there may create something: after a 5xx it is
+    not sent to a second replica, unless it carries an Idempotency-Key. A GET is repeated."""
+    for upstream in upstreams[:2]:
+        upstream.mode = "error"
+    await source.publish({"llama": [route(u.name, u.address) for u in upstreams[:2]]})
+    path = "/c/llama/v1/chat/completions"
+
+    def tries() -> int:
+        return sum(len(u.seen) for u in upstreams[:2])
+
+    async with gateway() as gw:
+        async with http.post(f"{gw.url}{path}", json=CHAT) as resp:
+            assert resp.status == 502
+            assert "Idempotency-Key" in (await resp.json())["error"]["message"]
+        assert tries() == 1
+        headers = {"Idempotency-Key": "order-7"}
+        async with http.post(f"{gw.url}{path}", json=CHAT, headers=headers) as resp:
+            assert resp.status == 502
+        assert tries() == 1 + 3  # the policy's max_attempts
+        # The OpenAI routes are inference calls, repeatable without asking.
+        async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 502
+        assert tries() == 1 + 3 + 3
+
+
+async def test_a_passthrough_post_whose_answer_broke_off_is_not_repeated(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    for upstream in upstreams[:2]:
+        upstream.mode = "cutbody"  # the head, then the connection dies mid-body
+    await source.publish({"llama": [route(u.name, u.address) for u in upstreams[:2]]})
+    async with gateway() as gw:
+        async with http.post(f"{gw.url}/c/llama/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 502
+            assert "not retried" in (await resp.json())["error"]["message"]
+        assert sum(len(u.seen) for u in upstreams[:2]) == 1
+        async with http.get(f"{gw.url}/c/llama/health") as resp:
+            assert resp.status == 200  # the health route is not cut
+
+
+async def test_a_passthrough_post_is_retried_when_it_never_reached_a_replica(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    nobody = route("u9", f"http://127.0.0.1:{free_port()}")  # refuses (no tunnel either)
+    await source.publish({"llama": [nobody, route("u0", upstreams[0].address)]})
+    async with gateway() as gw:
+        for _ in range(6):
+            async with http.post(f"{gw.url}/c/llama/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200 and resp.headers["X-Upstream"] == "u0"
+
+
 async def test_two_gateways_follow_the_same_table(
     bus: NatsBus,
     gateway: StartGateway,
