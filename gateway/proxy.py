@@ -125,6 +125,18 @@ class Proxy:
         self.settings = settings
         self.log = log
         self._ids = itertools.count(1)
+        # The handlers copying a response body now: when the shutdown grace ends, the gateway
+        # cuts them (cut_streams) while their clients are still connected, so an event stream
+        # can end with an error event instead of a silent cut.
+        self._copying: set[asyncio.Task[Any]] = set()
+        self._cut = False
+
+    def cut_streams(self) -> None:
+        """The shutdown grace is over: end every response still being copied. An event
+        stream gets `event: error` (code gateway_shutdown) first."""
+        self._cut = True
+        for task in list(self._copying):
+            task.cancel()
 
     def new_request_id(self) -> str:
         return f"{self.settings.gateway_id}-{next(self._ids):x}"
@@ -477,6 +489,9 @@ class Proxy:
         stream = web.StreamResponse(status=upstream.status)
         _copy_headers(stream, headers, request_id)
         outcome: Any = "cancelled"
+        task = asyncio.current_task()
+        if task is not None:
+            self._copying.add(task)
         try:
             await stream.prepare(request)
             for chunk in answer.buffered:
@@ -502,9 +517,23 @@ class Proxy:
                 if request.transport is not None:
                     request.transport.abort()
                 return stream
-        except (ConnectionResetError, asyncio.CancelledError):
+        except ConnectionResetError:
             raise  # the client went away; `finally` records it as cancelled
+        except asyncio.CancelledError:
+            # The client went away (aiohttp cancels its handler), or cut_streams() ended the
+            # shutdown grace while the client is still connected.
+            if not (self._cut and task is not None and answer.event_stream):
+                raise
+            if _client_gone(request):
+                raise
+            task.uncancel()  # our own cut, handled here: the handler ends normally
+            # Counted as a cut stream; the outcome stays "cancelled", no fault of the replica's.
+            self.instruments.stream_broken(cluster)
+            self.log.warning("stream_cut_at_shutdown", request_id=request_id, cluster=cluster)
+            await _write_quietly(stream, _sse_shutdown(request_id))
         finally:
+            if task is not None:
+                self._copying.discard(task)
             ejection = self.router.finished(route, outcome)
             if ejection is not None:
                 self.dispatcher.on_ejection(ejection)
@@ -538,6 +567,24 @@ def _sse_error(exc: StreamBroken, request_id: str) -> bytes:
         }
     }
     return b"event: error\ndata: " + _ERROR.encode(error) + b"\n\n"
+
+
+def _sse_shutdown(request_id: str) -> bytes:
+    error = {
+        "error": {
+            "message": "the gateway is shutting down and its grace period ended; "
+            "the answer is incomplete",
+            "type": "upstream_error",
+            "code": "gateway_shutdown",
+            "request_id": request_id,
+        }
+    }
+    return b"event: error\ndata: " + _ERROR.encode(error) + b"\n\n"
+
+
+def _client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def _write_quietly(stream: web.StreamResponse, data: bytes) -> None:

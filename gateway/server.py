@@ -35,6 +35,9 @@ from .transport.base import Transport
 from .transport.direct import DirectTransport
 
 TransportName = Literal["direct", "overlay"]
+# How long aiohttp waits past the grace for handlers that cut_streams() just ended (they write
+# an error event and finish); beyond it aiohttp cancels what is left and closes.
+_AFTER_GRACE_S = 1.0
 _SUSPICIONS_QUEUED = 1000  # beyond this, suspicions are dropped: they are hints, not state
 
 
@@ -137,7 +140,7 @@ class Gateway:
             app,
             access_log=None,  # the proxy logs each request itself, with its routing context
             handler_cancellation=True,  # a client that goes away stops its upstream request
-            shutdown_timeout=self.config.shutdown_grace_s,
+            shutdown_timeout=self.config.shutdown_grace_s + _AFTER_GRACE_S,
             # aiohttp arms this at connection start and closes a handler still waiting for a
             # whole request head when it expires: the slow-loris header defence.
             keepalive_timeout=self.config.header_timeout_s,
@@ -160,7 +163,15 @@ class Gateway:
                 tasks.create_task(self.feed.run(), name="routing-feed")
                 tasks.create_task(self._publish_suspicions(), name="suspicions")
         finally:
-            await runner.cleanup()  # stops listening, waits for in-flight requests
+            # Stop listening and wait for in-flight requests; when the grace ends, cut what is
+            # still streaming ourselves, before aiohttp's own cut (it closes the connection
+            # before the handler could tell its client why).
+            loop = asyncio.get_running_loop()
+            cut = loop.call_later(self.config.shutdown_grace_s, self.proxy.cut_streams)
+            try:
+                await runner.cleanup()
+            finally:
+                cut.cancel()
             await self.transport.close()
 
     def _tls(self) -> ssl.SSLContext | None:

@@ -85,7 +85,7 @@ class Upstream:
     """A small aiohttp server whose behaviour a test sets: echo, hang, 500 or cut streams."""
 
     name: str
-    mode: str = "ok"  # ok | hang | error | cut | cut0 | slowbody | cutbody
+    mode: str = "ok"  # ok | hang | error | cut | cut0 | slowbody | cutbody | slowstream
     seen: list[CIMultiDict[str]] = field(default_factory=list)
     runner: web.AppRunner | None = None
     port: int = 0
@@ -190,6 +190,8 @@ class Upstream:
                 ],
             }
             await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+            if self.mode == "slowstream":
+                await asyncio.sleep(0.5)  # a long generation, a token now and then
             if self.mode == "cut" and i == 1:
                 await asyncio.sleep(0.01)
                 assert request.transport is not None

@@ -7,6 +7,7 @@ needs from it); the full stack with a real controller and agents is in test_gate
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 from collections.abc import AsyncIterator, Callable
@@ -441,6 +442,41 @@ async def test_a_passthrough_post_is_retried_when_it_never_reached_a_replica(
         for _ in range(6):
             async with http.post(f"{gw.url}/c/llama/v1/chat/completions", json=CHAT) as resp:
                 assert resp.status == 200 and resp.headers["X-Upstream"] == "u0"
+
+
+async def test_a_stream_still_open_when_the_shutdown_grace_ends_gets_an_error_event(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    upstreams[0].mode = "slowstream"
+    await source.publish({"llama": [route("u0", upstreams[0].address)]})
+    body = {**CHAT, "stream": True, "messages": [{"role": "user", "content": "a " * 40}]}
+    first_chunk = asyncio.Event()
+    received = bytearray()
+
+    async def read() -> None:
+        async with http.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                async for data in resp.content.iter_any():
+                    received.extend(data)
+                    first_chunk.set()
+
+    config = GatewayConfig(gateway_id="gw-test", port=0, shutdown_grace_s=0.3)
+    async with asyncio.TaskGroup() as tasks:
+        async with gateway(config) as gw:
+            reader = tasks.create_task(read())
+            await asyncio.wait_for(first_chunk.wait(), 10)
+        # The gateway has stopped: its grace ran out with the stream still going.
+        await asyncio.wait_for(reader, 10)
+    text = received.decode()
+    assert text.startswith("data: ")
+    assert text.rstrip().split("\n\n")[-1].startswith("event: error\ndata: ")
+    assert '"code":"gateway_shutdown"' in text
+    assert "[DONE]" not in text
 
 
 async def test_two_gateways_follow_the_same_table(
