@@ -19,6 +19,10 @@
         hand a value to one consumer through a Queue, nothing else; microseconds per beat and
         the speed-up that alone would allow at N nodes.
 
+    python bench/sim.py --wakeups [--seed N] [--top 25]
+        One fleet-100 seed with the loop's call_soon and call_at counted by what they wake
+        (a task's coroutine, a callback): per heartbeat recorded, the top entries.
+
     python bench/sim.py --seeds 4 [--jobs 2]
         Seeds of sim/scenarios/fleet-100.toml (100 nodes, 300 s of faults + 120 s settling):
         first one after the other in this process, then `gpumesh sim fuzz fleet-100 --seeds N
@@ -272,6 +276,55 @@ def measure_floor(nodes: int, seconds: float) -> dict[str, Any]:
     }
 
 
+# -- wake-ups --------------------------------------------------------------------------------
+
+
+def count_wakeups(seed: int, top: int) -> dict[str, Any]:
+    """Run one fleet-100 seed counting what the loop schedules, per recorded heartbeat."""
+    from collections import Counter
+
+    from sim.loop import SimEventLoop
+    from sim.run import find_scenario, run_scenario
+    from sim.scenario import load
+
+    counts: Counter[str] = Counter()
+
+    def what(callback: Any, args: tuple[Any, ...]) -> str:
+        owner = getattr(callback, "__self__", None)
+        if isinstance(owner, asyncio.Task):
+            coro = owner.get_coro()
+            return "wake task " + getattr(coro, "__qualname__", type(coro).__name__)
+        name = getattr(callback, "__qualname__", repr(callback))
+        if name == "_set_result_unless_cancelled":
+            return "timer asyncio.sleep"
+        return "call " + name
+
+    soon, at = SimEventLoop.call_soon, SimEventLoop.call_at
+
+    def counting_soon(self: Any, callback: Any, *args: Any, context: Any = None) -> Any:
+        counts[what(callback, args)] += 1
+        return soon(self, callback, *args, context=context)
+
+    def counting_at(self: Any, when: float, callback: Any, *args: Any, context: Any = None) -> Any:
+        counts["timer " + what(callback, args).split(" ", 1)[1]] += 1
+        counts["(timers)"] += 1
+        return at(self, when, callback, *args, context=context)
+
+    SimEventLoop.call_soon = counting_soon  # type: ignore[method-assign]
+    SimEventLoop.call_at = counting_at  # type: ignore[method-assign]
+    try:
+        _, world = run_scenario(load(find_scenario("fleet-100")), seed)
+    finally:
+        SimEventLoop.call_soon = soon  # type: ignore[method-assign]
+        SimEventLoop.call_at = at  # type: ignore[method-assign]
+    beats = sum(1 for e in world.store.read_all_now() if e.type == HEARTBEAT)
+    return {
+        "seed": seed,
+        "heartbeats": beats,
+        "per_heartbeat": {k: round(v / beats, 3) for k, v in counts.most_common(top)},
+    }
+
+
 # -- profile ---------------------------------------------------------------------------------
 
 
@@ -503,6 +556,9 @@ def main() -> int:
         "--sequential", type=int, default=2, help="seeds run one after another first (2)"
     )
     parser.add_argument(
+        "--wakeups", action="store_true", help="what the loop schedules, per heartbeat (fleet-100)"
+    )
+    parser.add_argument(
         "--floor", action="store_true", help="the loop's floor: a sleep and a queue hop per beat"
     )
     parser.add_argument("--json", action="store_true")
@@ -514,6 +570,17 @@ def main() -> int:
     if args.child:
         row = measure(args.nodes, args.seconds, budget_s=args.budget, fault=fault, seed=args.seed)
         print(json.dumps(row))
+        return 0
+
+    if args.wakeups:
+        result = count_wakeups(args.seed, args.top)
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"fleet-100 seed {result['seed']}: {result['heartbeats']} heartbeats recorded")
+            for name, per in result["per_heartbeat"].items():
+                print(f"  {per:7.3f} per heartbeat  {name}")
+            print(f"\ncommand: {command}")
         return 0
 
     if args.floor:
