@@ -122,7 +122,7 @@ class Dispatcher:
                 tried.append(route)
             delay = self.policy.backoff(attempts, self._rng)
             if (
-                not self.policy.retryable(failure.outcome, repeatable=repeatable)
+                not self.policy.retryable(failure, repeatable=repeatable)
                 or attempts >= self.policy.max_attempts
                 or self._clock.monotonic() + delay >= deadline
             ):

@@ -125,17 +125,17 @@ class Proxy:
         self.settings = settings
         self.log = log
         self._ids = itertools.count(1)
-        # The handlers copying a response body now: when the shutdown grace ends, the gateway
-        # cuts them (cut_streams) while their clients are still connected, so an event stream
-        # can end with an error event instead of a silent cut.
-        self._copying: set[asyncio.Task[Any]] = set()
+        # The handlers of requests in flight: when the shutdown grace ends, the gateway cuts
+        # them (cut_in_flight) while their clients are still connected, so an event stream can
+        # end with an error event instead of a silent cut.
+        self._in_flight: set[asyncio.Task[Any]] = set()
         self._cut = False
 
-    def cut_streams(self) -> None:
-        """The shutdown grace is over: end every response still being copied. An event
-        stream gets `event: error` (code gateway_shutdown) first."""
+    def cut_in_flight(self) -> None:
+        """The shutdown grace is over: cancel every request still in flight. An event stream
+        gets `event: error` (code gateway_shutdown) first; any other answer is cut."""
         self._cut = True
-        for task in list(self._copying):
+        for task in list(self._in_flight):
             task.cancel()
 
     def new_request_id(self) -> str:
@@ -245,6 +245,30 @@ class Proxy:
                 return ""
 
     async def _forward(
+        self,
+        request: web.Request,
+        tenant: Tenant,
+        cluster: str,
+        path: str,
+        body: bytes,
+        key: str,
+        *,
+        repeatable: bool,
+    ) -> web.StreamResponse:
+        task = asyncio.current_task()
+        if task is not None:
+            self._in_flight.add(task)
+            if self._cut:
+                task.cancel()  # arrived after the grace: no time left to serve it
+        try:
+            return await self._forward_in_flight(
+                request, tenant, cluster, path, body, key, repeatable=repeatable
+            )
+        finally:
+            if task is not None:
+                self._in_flight.discard(task)
+
+    async def _forward_in_flight(
         self,
         request: web.Request,
         tenant: Tenant,
@@ -490,8 +514,6 @@ class Proxy:
         _copy_headers(stream, headers, request_id)
         outcome: Any = "cancelled"
         task = asyncio.current_task()
-        if task is not None:
-            self._copying.add(task)
         try:
             await stream.prepare(request)
             for chunk in answer.buffered:
@@ -520,7 +542,7 @@ class Proxy:
         except ConnectionResetError:
             raise  # the client went away; `finally` records it as cancelled
         except asyncio.CancelledError:
-            # The client went away (aiohttp cancels its handler), or cut_streams() ended the
+            # The client went away (aiohttp cancels its handler), or cut_in_flight() ended the
             # shutdown grace while the client is still connected.
             if not (self._cut and task is not None and answer.event_stream):
                 raise
@@ -532,8 +554,6 @@ class Proxy:
             self.log.warning("stream_cut_at_shutdown", request_id=request_id, cluster=cluster)
             await _write_quietly(stream, _sse_shutdown(request_id))
         finally:
-            if task is not None:
-                self._copying.discard(task)
             ejection = self.router.finished(route, outcome)
             if ejection is not None:
                 self.dispatcher.on_ejection(ejection)

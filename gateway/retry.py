@@ -6,15 +6,12 @@ from dataclasses import dataclass
 
 from actors.env import RandomSource
 
-from .transport.base import Outcome
+from .transport.base import Outcome, UpstreamError
 
 # Failures before the response head: nothing reached the client, so another replica may try.
 _RETRYABLE: frozenset[Outcome] = frozenset(
     {"connect_error", "reset", "status_5xx", "first_byte_timeout"}
 )
-# Of those, the ones where the request surely never reached a workload: the only ones a
-# request that is not safe to repeat (a POST to /c/<cluster>/...) is retried after.
-_NEVER_DELIVERED: frozenset[Outcome] = frozenset({"connect_error"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +36,16 @@ class RetryPolicy:
             if not ok:
                 raise ValueError(f"RetryPolicy.{name} must be {rule}, got {getattr(self, name)!r}")
 
-    def retryable(self, outcome: Outcome, *, repeatable: bool = True) -> bool:
+    def retryable(self, failure: UpstreamError | Outcome, *, repeatable: bool = True) -> bool:
         """stream_broken came after the head (the client already has bytes); cancelled means
         nobody is waiting for an answer. A request that is not `repeatable` may have done its
         work on a replica that then reset, timed out or answered 5xx: it is retried only when
-        it never got there (nginx's rule for non-idempotent methods)."""
-        return outcome in (_RETRYABLE if repeatable else _NEVER_DELIVERED)
+        it surely never got there (nginx's rule for non-idempotent methods)."""
+        if isinstance(failure, UpstreamError):
+            if not repeatable:
+                return failure.never_delivered
+            failure = failure.outcome
+        return repeatable and failure in _RETRYABLE
 
     def backoff(self, failed_attempts: int, rng: RandomSource) -> float:
         """Full jitter (AWS Architecture Blog, "Exponential Backoff and Jitter"): retries from

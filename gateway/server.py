@@ -35,8 +35,8 @@ from .transport.base import Transport
 from .transport.direct import DirectTransport
 
 TransportName = Literal["direct", "overlay"]
-# How long aiohttp waits past the grace for handlers that cut_streams() just ended (they write
-# an error event and finish); beyond it aiohttp cancels what is left and closes.
+# How long aiohttp waits past the grace for the handlers cut_in_flight() just ended (a stream
+# writes its error event and finishes); aiohttp cancels what is left only after twice that.
 _AFTER_GRACE_S = 1.0
 _SUSPICIONS_QUEUED = 1000  # beyond this, suspicions are dropped: they are hints, not state
 
@@ -164,10 +164,10 @@ class Gateway:
                 tasks.create_task(self._publish_suspicions(), name="suspicions")
         finally:
             # Stop listening and wait for in-flight requests; when the grace ends, cut what is
-            # still streaming ourselves, before aiohttp's own cut (it closes the connection
-            # before the handler could tell its client why).
+            # still running ourselves: aiohttp's own cut comes only after twice its timeout, and
+            # closes the connection before a handler could tell its client why.
             loop = asyncio.get_running_loop()
-            cut = loop.call_later(self.config.shutdown_grace_s, self.proxy.cut_streams)
+            cut = loop.call_later(self.config.shutdown_grace_s, self.proxy.cut_in_flight)
             try:
                 await runner.cleanup()
             finally:

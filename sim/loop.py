@@ -22,6 +22,7 @@ import contextvars
 import gc
 import heapq
 import itertools
+import math
 import selectors
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from concurrent.futures import Executor
@@ -237,6 +238,8 @@ class SimEventLoop(asyncio.SelectorEventLoop):
                     self._deadlock()
                 return
             if not self._stopping and timers[0][0] > self._now:  # type: ignore[attr-defined]
+                if timers[0][0] == math.inf:
+                    self._deadlock()  # `sleep(inf)` and the like: nothing will ever run again
                 self._now = timers[0][0]
         now = self._now
         while timers and timers[0][0] <= now:
@@ -263,8 +266,8 @@ class SimEventLoop(asyncio.SelectorEventLoop):
         self._timer_cancelled_count = 0
 
     def close(self) -> None:
+        super().close()  # first: it refuses to close a running loop, and then nothing is lost
         self._timers.clear()
-        super().close()
 
     def _deadlock(self) -> None:
         waiting = sorted(_describe(task) for task in asyncio.all_tasks(self) if not task.done())

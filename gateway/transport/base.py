@@ -21,9 +21,13 @@ Outcome = Literal[
 
 
 class UpstreamError(Exception):
-    """An attempt failed; `outcome` says how (the router's failure class)."""
+    """An attempt failed; `outcome` says how (the router's failure class).
+
+    `never_delivered` is True only when the request surely did not reach a workload: then even
+    a request that is not safe to repeat (a POST on /c/) may go to another replica."""
 
     outcome: Outcome = "reset"
+    never_delivered: bool = False
 
     def __init__(self, replica_id: str, detail: str) -> None:
         super().__init__(f"replica {replica_id}: {detail}")
@@ -32,9 +36,15 @@ class UpstreamError(Exception):
 
 
 class ConnectFailed(UpstreamError):
-    """Refused, unreachable, or no responder: the request surely never reached the workload."""
+    """Refused, unreachable, or no responder: the replica cannot be reached. Surely not
+    delivered, unless `maybe_delivered` (an overlay request whose agent never acknowledged
+    it: the acknowledgement, not the request, may be what was lost)."""
 
     outcome: Outcome = "connect_error"
+
+    def __init__(self, replica_id: str, detail: str, *, maybe_delivered: bool = False) -> None:
+        super().__init__(replica_id, detail)
+        self.never_delivered = not maybe_delivered
 
 
 class ResetBeforeHead(UpstreamError):

@@ -103,6 +103,9 @@ class DirectTransport:
                     compress=False,
                 )
                 response = await context
+        except aiohttp.ConnectionTimeoutError as exc:
+            # A TimeoutError too, but of the connection (a node that drops SYNs): checked first.
+            raise ConnectFailed(route.replica_id, _describe(exc)) from exc
         except TimeoutError as exc:
             raise FirstByteTimeout(
                 route.replica_id, f"no response head within {request.first_byte_timeout:g} s"

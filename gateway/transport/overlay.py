@@ -160,6 +160,7 @@ class OverlayTransport:
                             replica,
                             f"node {route.node_id}'s agent did not acknowledge the request "
                             f"within {self.connect_timeout:g} s",
+                            maybe_delivered=True,  # the agent forwards before it acknowledges
                         ) from None
                     raise FirstByteTimeout(
                         replica, f"no response head within {first_byte_timeout:g} s"

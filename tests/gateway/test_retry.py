@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, strategies as st
 
 from gateway.retry import RetryPolicy
-from gateway.transport.base import Outcome
+from gateway.transport.base import (
+    ConnectFailed,
+    FirstByteTimeout,
+    Outcome,
+    ResetBeforeHead,
+    UpstreamError,
+    UpstreamStatus,
+)
 
 
 def test_defaults_are_valid() -> None:
@@ -38,6 +45,23 @@ def test_nonsense_is_a_one_line_error_naming_the_field(field: str, value: float)
 def test_only_failures_before_the_head_are_retryable(outcome: Outcome) -> None:
     expected = outcome in {"connect_error", "reset", "status_5xx", "first_byte_timeout"}
     assert RetryPolicy().retryable(outcome) is expected
+
+
+@pytest.mark.parametrize(
+    ("failure", "repeated"),
+    [
+        (ConnectFailed("r", "refused"), True),
+        (ConnectFailed("r", "no acknowledgement", maybe_delivered=True), False),
+        (ResetBeforeHead("r", "reset"), False),
+        (UpstreamStatus("r", 503), False),
+        (FirstByteTimeout("r", "slow"), False),
+    ],
+)
+def test_a_request_not_safe_to_repeat_is_retried_only_if_it_surely_never_arrived(
+    failure: UpstreamError, repeated: bool
+) -> None:
+    assert RetryPolicy().retryable(failure, repeatable=False) is repeated
+    assert RetryPolicy().retryable(failure) is True  # any of these, for a repeatable request
 
 
 @given(

@@ -479,6 +479,39 @@ async def test_a_stream_still_open_when_the_shutdown_grace_ends_gets_an_error_ev
     assert "[DONE]" not in text
 
 
+async def test_a_request_still_waiting_when_the_shutdown_grace_ends_is_cut_then(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    """Not a grace of twice the grace plus aiohttp's margin: the gateway cancels what is left
+    itself when its grace ends, and the client's connection closes."""
+    upstreams[0].mode = "hang"
+    await source.publish({"llama": [route("u0", upstreams[0].address)]})
+    outcome: list[BaseException] = []
+
+    async def ask() -> None:
+        try:
+            async with http.post(f"{gw.url}/v1/chat/completions", json=CHAT) as resp:
+                await resp.read()
+        except aiohttp.ClientError as exc:
+            outcome.append(exc)
+
+    config = GatewayConfig(gateway_id="gw-test", port=0, shutdown_grace_s=0.3)
+    loop = asyncio.get_running_loop()
+    async with asyncio.TaskGroup() as tasks:
+        async with gateway(config) as gw:
+            asker = tasks.create_task(ask())
+            await asyncio.wait_for(upstreams[0].hung.wait(), 10)
+            stopping = loop.time()
+        stopped = loop.time() - stopping
+        await asyncio.wait_for(asker, 10)
+    assert stopped < 1.2, f"the gateway took {stopped:.2f} s to stop with a 0.3 s grace"
+    assert outcome and isinstance(outcome[0], aiohttp.ServerDisconnectedError)
+
+
 async def test_two_gateways_follow_the_same_table(
     bus: NatsBus,
     gateway: StartGateway,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import os
 import time
 import weakref
@@ -218,3 +219,24 @@ def test_a_run_starts_by_collecting_the_cycles_an_earlier_run_left() -> None:
     left = run_simulation(leave_a_cycle())
     run_simulation(asyncio.sleep(0))
     assert left() is None
+
+
+def test_sleeping_forever_is_a_deadlock_not_a_jump_to_infinity() -> None:
+    async def main() -> None:
+        await asyncio.sleep(math.inf)
+
+    with pytest.raises(Deadlock):
+        run_simulation(main())
+
+
+def test_a_refused_close_keeps_the_pending_timers() -> None:
+    async def main() -> float:
+        loop = asyncio.get_running_loop()
+        later = loop.create_future()
+        loop.call_later(5.0, later.set_result, "fired")
+        with pytest.raises(RuntimeError, match="running"):
+            loop.close()
+        assert await later == "fired"
+        return loop.time()
+
+    assert run_simulation(main()) == 5.0
