@@ -9,9 +9,10 @@ after that, a streamed answer that breaks ends with an explicit SSE error event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -159,15 +160,16 @@ class Proxy:
             return openai_error(400, "`model` is required: one of GET /v1/models", "missing_model")
         # An inference call changes nothing on the replica: repeating it after a failure is
         # what keeps clients from seeing errors a healthy replica could have answered.
-        return await self._forward(
-            request,
-            tenant,
-            parsed.model,
-            request.path_qs,
-            body,
-            self._affinity_key(parsed),
-            repeatable=True,
-        )
+        with self._in_flight_here():
+            return await self._forward(
+                request,
+                tenant,
+                parsed.model,
+                request.path_qs,
+                body,
+                self._affinity_key(parsed),
+                repeatable=True,
+            )
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """/c/<cluster>/<path>: any other HTTP API of a cluster, forwarded as it is."""
@@ -183,9 +185,10 @@ class Proxy:
         # Any API at all: a POST may create something, so it is repeated only when the client
         # says it is safe to (an Idempotency-Key) or the method is idempotent (RFC 9110 9.2.2).
         repeatable = request.method in _IDEMPOTENT_METHODS or "Idempotency-Key" in request.headers
-        return await self._forward(
-            request, tenant, cluster, f"/{tail}{query}", body, "", repeatable=repeatable
-        )
+        with self._in_flight_here():
+            return await self._forward(
+                request, tenant, cluster, f"/{tail}{query}", body, "", repeatable=repeatable
+            )
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
         limit = self.settings.request_body_timeout_s
@@ -244,31 +247,22 @@ class Proxy:
             case _:
                 return ""
 
-    async def _forward(
-        self,
-        request: web.Request,
-        tenant: Tenant,
-        cluster: str,
-        path: str,
-        body: bytes,
-        key: str,
-        *,
-        repeatable: bool,
-    ) -> web.StreamResponse:
+    @contextlib.contextmanager
+    def _in_flight_here(self) -> Iterator[None]:
+        """The current handler, known to cut_in_flight() while inside."""
         task = asyncio.current_task()
-        if task is not None:
-            self._in_flight.add(task)
-            if self._cut:
-                task.cancel()  # arrived after the grace: no time left to serve it
+        if task is None:
+            yield
+            return
+        self._in_flight.add(task)
+        if self._cut:
+            task.cancel()  # arrived after the grace: no time left to serve it
         try:
-            return await self._forward_in_flight(
-                request, tenant, cluster, path, body, key, repeatable=repeatable
-            )
+            yield
         finally:
-            if task is not None:
-                self._in_flight.discard(task)
+            self._in_flight.discard(task)
 
-    async def _forward_in_flight(
+    async def _forward(
         self,
         request: web.Request,
         tenant: Tenant,
@@ -375,11 +369,8 @@ class Proxy:
                     timed_out = isinstance(exc.last, FirstByteTimeout)
                     status = 504 if timed_out else 502
                     why = ""
-                    if not repeatable and exc.last.outcome != "connect_error":
-                        why = (
-                            f"; not retried: a {request.method} is repeated only with an "
-                            f"Idempotency-Key"
-                        )
+                    if not repeatable and not exc.last.never_delivered:
+                        why = "; " + _not_repeated(request.method)
                     return _with_id(
                         openai_error(
                             status,
@@ -405,8 +396,8 @@ class Proxy:
                         return _with_id(
                             openai_error(
                                 502,
-                                f"the answer broke off before its end ({exc}); not retried: "
-                                f"a {request.method} is repeated only with an Idempotency-Key",
+                                f"the answer broke off before its end ({exc}); "
+                                + _not_repeated(request.method),
                                 "reset",
                             ),
                             request_id,
@@ -532,7 +523,8 @@ class Proxy:
                 error=exc.detail,
             )
             if answer.event_stream:
-                await _write_quietly(stream, _sse_error(exc, request_id))
+                message = f"the replica failed mid-stream ({exc.detail}); the answer is incomplete"
+                await _write_quietly(stream, _sse_error(message, "stream_broken", request_id))
             else:
                 # No in-band way to say it: drop the connection so that the client sees an
                 # incomplete body, never a complete-looking truncated one.
@@ -552,7 +544,10 @@ class Proxy:
             # Counted as a cut stream; the outcome stays "cancelled", no fault of the replica's.
             self.instruments.stream_broken(cluster)
             self.log.warning("stream_cut_at_shutdown", request_id=request_id, cluster=cluster)
-            await _write_quietly(stream, _sse_shutdown(request_id))
+            message = (
+                "the gateway is shutting down and its grace period ended; the answer is incomplete"
+            )
+            await _write_quietly(stream, _sse_error(message, "gateway_shutdown", request_id))
         finally:
             ejection = self.router.finished(route, outcome)
             if ejection is not None:
@@ -577,29 +572,21 @@ def _copy_headers(
     response.headers["X-Request-Id"] = request_id
 
 
-def _sse_error(exc: StreamBroken, request_id: str) -> bytes:
+def _sse_error(message: str, code: str, request_id: str) -> bytes:
+    """The event that ends a stream the client will not get whole."""
     error = {
         "error": {
-            "message": f"the replica failed mid-stream ({exc.detail}); the answer is incomplete",
+            "message": message,
             "type": "upstream_error",
-            "code": "stream_broken",
+            "code": code,
             "request_id": request_id,
         }
     }
     return b"event: error\ndata: " + _ERROR.encode(error) + b"\n\n"
 
 
-def _sse_shutdown(request_id: str) -> bytes:
-    error = {
-        "error": {
-            "message": "the gateway is shutting down and its grace period ended; "
-            "the answer is incomplete",
-            "type": "upstream_error",
-            "code": "gateway_shutdown",
-            "request_id": request_id,
-        }
-    }
-    return b"event: error\ndata: " + _ERROR.encode(error) + b"\n\n"
+def _not_repeated(method: str) -> str:
+    return f"not retried: a {method} is repeated only with an Idempotency-Key"
 
 
 def _client_gone(request: web.Request) -> bool:

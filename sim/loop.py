@@ -74,7 +74,8 @@ class _Soon(asyncio.Handle):
 
 
 class _Timer(asyncio.TimerHandle):
-    """A TimerHandle built the same way as _Soon."""
+    """A TimerHandle built the same way as _Soon. The assignments are spelled out in both on
+    purpose: a shared helper costs a call per handle, 6% of `bench/sim.py --floor`."""
 
     __slots__ = ()
 
