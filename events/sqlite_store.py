@@ -92,6 +92,11 @@ _COMPACT: Final = (
 # file, FULL: 14k events/s at the default 1,000 pages, 27k at 10,000.
 _WAL_AUTOCHECKPOINT: Final = 10_000
 
+# Envelopes of the latest commits kept in memory, so subscribers that follow the head (the live
+# state, the outbox) take them from here instead of each reading and decoding them back from the
+# file. Holds between this many and twice as many; a subscriber further behind reads SQLite.
+_TAIL_EVENTS: Final = 4096
+
 _INT64_MIN: Final = -(2**63)
 _INT64_MAX: Final = 2**63 - 1
 
@@ -256,7 +261,31 @@ def _as_bytes(value: object) -> bytes:
     return str(value).encode()
 
 
-def _envelope(row: tuple[Any, ...]) -> Envelope:
+def _envelope(row: Sequence[Any]) -> Envelope:
+    position, event_id, stream, version, type_, recorded_at, correlation, causation, data = row
+    if (
+        type(data) is bytes
+        and type(type_) is str
+        and type(event_id) is str
+        and type(stream) is str
+        and type(version) is int
+        and type(recorded_at) is int
+    ):
+        return Envelope(
+            event_id=event_id,
+            stream=stream,
+            version=version,
+            position=position,
+            type=type_,
+            recorded_at=recorded_at,
+            correlation_id=correlation or "",
+            causation_id=causation or "",
+            payload=decode_payload(type_, data),
+        )
+    return _damaged_envelope(row)
+
+
+def _damaged_envelope(row: Sequence[Any]) -> Envelope:
     position, event_id, stream, version, type_, recorded_at, correlation, causation, data = row
     if type(data) is not bytes:
         data = _as_bytes(data)
@@ -324,6 +353,9 @@ class SqliteEventStore:
         self._write_executor = ThreadPoolExecutor(1, thread_name_prefix="eventstore-writer")
         self._read_executor = ThreadPoolExecutor(1, thread_name_prefix="eventstore-reader")
         self._latest_heartbeats: tuple[int, str] | None = None  # see _read_for_rebuild_sync
+        # The last commits, contiguous from position _tail_start (see _TAIL_EVENTS); loop-only.
+        self._tail: list[Envelope] = []
+        self._tail_start = 0
         # Writer-thread state: touched only by code running in _write_executor.
         self._wconn: sqlite3.Connection | None = None
         self._versions: dict[str, int] = {}
@@ -415,10 +447,13 @@ class SqliteEventStore:
         return await self._read(self._read_for_rebuild_sync, from_position, limit)
 
     async def read_all(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
+        if self._closing:
+            raise StoreClosed()
         if limit <= 0:
-            if self._closing:
-                raise StoreClosed()
             return []
+        cached = self._from_tail(from_position, limit)
+        if cached is not None:
+            return cached
         return await self._read(self._read_all_sync, _clamp(from_position), _clamp(limit))
 
     def subscribe(self, from_position: int = 1) -> AsyncGenerator[Envelope, None]:
@@ -513,6 +548,11 @@ class SqliteEventStore:
             for job in batch:
                 job.error = exc
             outcome = _BatchOutcome()
+        if outcome.events:
+            self._remember(batch)
+        elif outcome.committed and type(batch[0]) is _Compact:
+            # Deleted rows may be in the tail; the file is the truth for what is still there.
+            self._tail.clear()
         for job in batch:
             job.settle()
         self._record(outcome, len(batch))
@@ -520,6 +560,30 @@ class SqliteEventStore:
             self._signal.fire()
         # Appends that queued while this batch was being written leave together, now.
         self._dispatch()
+
+    def _remember(self, batch: list[_Job]) -> None:
+        """Keep the envelopes just committed, decoded once, for the subscribers at the head."""
+        tail = self._tail
+        for job in batch:
+            if type(job) is not _Append or not job.wrote or job.error is not None:
+                continue
+            for row in job.rows:
+                if row[0] != self._tail_start + len(tail):
+                    # A gap (only another writer on the file makes one): start again from here.
+                    tail.clear()
+                    self._tail_start = row[0]
+                tail.append(_envelope(row))
+        if len(tail) > 2 * _TAIL_EVENTS:
+            drop = len(tail) - _TAIL_EVENTS
+            del tail[:drop]
+            self._tail_start += drop
+
+    def _from_tail(self, from_position: int, limit: int) -> list[Envelope] | None:
+        """The page from the tail, or None when the tail does not hold `from_position`."""
+        offset = from_position - self._tail_start
+        if offset < 0 or offset >= len(self._tail):
+            return None
+        return self._tail[offset : offset + limit]
 
     def _record(self, outcome: _BatchOutcome, jobs: int) -> None:
         stats = self.stats
