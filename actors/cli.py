@@ -61,7 +61,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         "no projection changes); default: keep them all",
     )
     _health_args(ctl)
-    ctl.set_defaults(handler=run_controller)
+    ctl.set_defaults(handler=run_controller, daemon=True)
 
     cluster = commands.add_parser(
         "cluster",

@@ -28,7 +28,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         "follows the controller's routing table over NATS and retries around failed replicas.",
     )
     add_arguments(gw)
-    gw.set_defaults(handler=run_gateway)
+    gw.set_defaults(handler=run_gateway, daemon=True)
 
 
 def add_arguments(gw: argparse.ArgumentParser) -> None:

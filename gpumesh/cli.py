@@ -17,6 +17,7 @@ from typing import Any
 from events import EventStoreError
 
 from . import __version__
+from .gc_tuning import tune_collector
 from .logconfig import configure_logging
 
 Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
@@ -141,6 +142,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(args, "log_level", "info"), json=None if fmt == "auto" else fmt == "json"
     )
     handler: Handler = args.handler
+    if getattr(args, "daemon", False):  # set by the long-running commands' parsers
+        tune_collector()
     try:
         return asyncio.run(handler(args))
     except KeyboardInterrupt:

@@ -68,7 +68,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help="run the embedded NATS without TLS and per-node credentials (by default `up` "
         "creates a CA and one NKEY identity per process in DATA_DIR/security)",
     )
-    up.set_defaults(handler=run_up)
+    up.set_defaults(handler=run_up, daemon=True)
 
 
 def demo_spec() -> ClusterSpec:

@@ -105,7 +105,7 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping workloads at shutdown",
     )
-    agent.set_defaults(handler=run_agent)
+    agent.set_defaults(handler=run_agent, daemon=True)
 
     actions = agent.add_subparsers(dest="agent_command", metavar="ACTION")
     fault = actions.add_parser(

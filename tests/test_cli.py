@@ -221,3 +221,35 @@ def test_a_malformed_cluster_spec_is_one_line_naming_the_file_once(
     assert code == 1 and out == ""
     assert err == f"gpumesh: error: {spec}: {expected}" + err.split(expected, 1)[1]
     assert err.count(str(spec)) == 1 and err.strip().count("\n") == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "daemon"),
+    [
+        (["controller"], True),
+        (["gateway"], True),
+        (["agent", "--node-id", "n1"], True),
+        (["up"], True),
+        (["cluster", "list"], False),
+        (["events", "tail"], False),
+    ],
+)
+def test_long_running_commands_tune_the_collector(argv: list[str], daemon: bool) -> None:
+    """Only the processes that live long and allocate per message get gpumesh.gc_tuning."""
+    args = build_parser().parse_args(argv)
+    assert getattr(args, "daemon", False) is daemon
+
+
+def test_tune_collector_sets_the_daemon_thresholds() -> None:
+    import gc
+
+    from gpumesh.gc_tuning import DAEMON_THRESHOLD, tune_collector
+
+    before = gc.get_threshold()
+    try:
+        tune_collector()
+        assert gc.get_threshold() == DAEMON_THRESHOLD
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
