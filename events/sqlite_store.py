@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeVar, cast
 
 import sqlite_utils
 
@@ -92,9 +92,10 @@ _COMPACT: Final = (
 # file, FULL: 14k events/s at the default 1,000 pages, 27k at 10,000.
 _WAL_AUTOCHECKPOINT: Final = 10_000
 
-# Envelopes of the latest commits kept in memory, so subscribers that follow the head (the live
-# state, the outbox) take them from here instead of each reading and decoding them back from the
-# file. Holds between this many and twice as many; a subscriber further behind reads SQLite.
+# The latest commits kept in memory, so subscribers that follow the head (the live state, the
+# outbox) take them from here instead of each reading and decoding them back from the file; each
+# is decoded once, by the first reader. Holds between this many and twice as many; a subscriber
+# further behind reads SQLite.
 _TAIL_EVENTS: Final = 4096
 
 _INT64_MIN: Final = -(2**63)
@@ -353,8 +354,9 @@ class SqliteEventStore:
         self._write_executor = ThreadPoolExecutor(1, thread_name_prefix="eventstore-writer")
         self._read_executor = ThreadPoolExecutor(1, thread_name_prefix="eventstore-reader")
         self._latest_heartbeats: tuple[int, str] | None = None  # see _read_for_rebuild_sync
-        # The last commits, contiguous from position _tail_start (see _TAIL_EVENTS); loop-only.
-        self._tail: list[Envelope] = []
+        # The last commits, contiguous from position _tail_start (see _TAIL_EVENTS): each a row
+        # as written until a reader decodes it in place. Touched on the loop thread only.
+        self._tail: list[Envelope | _Row] = []
         self._tail_start = 0
         # Writer-thread state: touched only by code running in _write_executor.
         self._wconn: sqlite3.Connection | None = None
@@ -562,7 +564,7 @@ class SqliteEventStore:
         self._dispatch()
 
     def _remember(self, batch: list[_Job]) -> None:
-        """Keep the envelopes just committed, decoded once, for the subscribers at the head."""
+        """Keep the rows just committed for the subscribers at the head (see _TAIL_EVENTS)."""
         tail = self._tail
         for job in batch:
             if type(job) is not _Append or not job.wrote or job.error is not None:
@@ -572,7 +574,7 @@ class SqliteEventStore:
                     # A gap (only another writer on the file makes one): start again from here.
                     tail.clear()
                     self._tail_start = row[0]
-                tail.append(_envelope(row))
+                tail.append(row)
         if len(tail) > 2 * _TAIL_EVENTS:
             drop = len(tail) - _TAIL_EVENTS
             del tail[:drop]
@@ -580,10 +582,16 @@ class SqliteEventStore:
 
     def _from_tail(self, from_position: int, limit: int) -> list[Envelope] | None:
         """The page from the tail, or None when the tail does not hold `from_position`."""
+        tail = self._tail
         offset = from_position - self._tail_start
-        if offset < 0 or offset >= len(self._tail):
+        if offset < 0 or offset >= len(tail):
             return None
-        return self._tail[offset : offset + limit]
+        end = min(offset + limit, len(tail))
+        for i in range(offset, end):
+            item = tail[i]
+            if type(item) is list:
+                tail[i] = _envelope(item)
+        return cast(list[Envelope], tail[offset:end])  # every item decoded just above
 
     def _record(self, outcome: _BatchOutcome, jobs: int) -> None:
         stats = self.stats
