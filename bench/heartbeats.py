@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,6 +34,7 @@ from actors.controller import Controller, ControllerConfig  # noqa: E402
 from actors.health import HealthPolicy  # noqa: E402
 from actors.nats_bus import NatsBus  # noqa: E402
 from actors.nats_server import EmbeddedNats  # noqa: E402
+from actors.outbox import OutboxPublisher  # noqa: E402
 from actors.real_env import real_env  # noqa: E402
 from events import subjects  # noqa: E402
 from events.messages import Heartbeat, Register  # noqa: E402
@@ -44,7 +47,7 @@ from sim.commands import MemoryCommandQueue  # noqa: E402
 TARGET = 20_000
 
 
-async def generate(url: str, nodes: int, rate: float, seconds: float) -> None:
+async def generate(url: str, nodes: int, rate: float, seconds: float, leases: bool) -> None:
     """The load: register every node, then publish heartbeats round-robin at `rate` per second."""
     from nats.aio.client import Client
 
@@ -60,6 +63,16 @@ async def generate(url: str, nodes: int, rate: float, seconds: float) -> None:
             msgspec.json.encode(Register(node_id=node_id, gpus=gpus)),
             timeout=30,
         )
+    acks = 0
+
+    async def count_ack(_msg: Any) -> None:
+        nonlocal acks
+        acks += 1
+
+    if leases:
+        # Real agents ask for their lease with every heartbeat (a reply subject); the replies
+        # come back here, counted, not awaited one by one.
+        await nc.subscribe("hbbench.ack.*", cb=count_ack)
     metrics = (GpuMetrics(index=0, temperature_c=55.0), GpuMetrics(index=1, temperature_c=57.0))
     encoder = msgspec.json.Encoder()
     seq = [0] * nodes
@@ -74,12 +87,17 @@ async def generate(url: str, nodes: int, rate: float, seconds: float) -> None:
             hb = Heartbeat(
                 node_id=f"hb-{n:05d}", seq=seq[n], sent_at_ns=time.time_ns(), gpus=metrics
             )
-            await nc.publish(subjects.heartbeat(hb.node_id), encoder.encode(hb))
+            reply = f"hbbench.ack.{n}" if leases else ""
+            await nc.publish(subjects.heartbeat(hb.node_id), encoder.encode(hb), reply=reply)
             sent += 1
         await nc.flush()
         await asyncio.sleep(tick)
+    await nc.flush()
+    await asyncio.sleep(2.0 if leases else 0.0)  # acks of the backlog still on their way
     await nc.drain()
-    print(json.dumps({"sent": sent, "seconds": round(time.perf_counter() - start, 3)}))
+    print(
+        json.dumps({"sent": sent, "acks": acks, "seconds": round(time.perf_counter() - start, 3)})
+    )
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -100,6 +118,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     heartbeat_rate_per_interval=per_interval,
                 ),
             )
+            # The whole of `gpumesh controller`: every event also published to JetStream.
+            outbox = OutboxPublisher(store, bus) if args.production else None
             latencies: list[float] = []
             counted = 0
             window: list[float] = []
@@ -114,7 +134,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         window.append(time.perf_counter())
 
             async with asyncio.TaskGroup() as tg:
-                ctl = tg.create_task(controller.run())
+                extra = [outbox.run] if outbox is not None else []
+                ctl = tg.create_task(controller.run(extra=extra))
                 await controller.ready.wait()
                 obs = tg.create_task(observe())
                 cpu0 = time.process_time()
@@ -130,15 +151,19 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     str(args.rate),
                     "--seconds",
                     str(args.seconds),
+                    *(["--leases"] if args.production else []),
                     stdout=subprocess.PIPE,
                 )
                 out, _ = await gen.communicate()
-                sent = json.loads(out)["sent"]
+                generated = json.loads(out)
+                sent = generated["sent"]
+                generator_cpu = _children_cpu()
                 # Let the tail drain, up to 10 s.
                 deadline = time.perf_counter() + 10
                 while counted < sent and time.perf_counter() < deadline:  # noqa: ASYNC110
                     await asyncio.sleep(0.1)
                 cpu = time.process_time() - cpu0
+                nats_cpu = _process_cpu(server._process.pid if server._process else None)
                 ctl.cancel()
                 obs.cancel()
             await store.close()
@@ -162,7 +187,27 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "controller_cpu_seconds": round(cpu, 2),
         "controller_cpu_us_per_heartbeat": round(cpu / max(1, counted) * 1e6, 1),
         "gc": args.gc,
+        "production_path": args.production,
+        "outbox_published": outbox.published if outbox is not None else None,
+        "lease_acks_received": generated["acks"] if args.production else None,
+        # The same machine runs the load and the server: what they took from the controller.
+        "generator_cpu_seconds": round(generator_cpu, 2),
+        "nats_server_cpu_seconds": round(nats_cpu, 2) if nats_cpu is not None else None,
     }
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _process_cpu(pid: int | None) -> float | None:
+    """User plus system CPU seconds of a running process, from /proc (Linux only)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:
@@ -176,12 +221,19 @@ def main() -> int:
         default="tuned",
         help="the collector as `gpumesh controller` sets it (tuned) or CPython's default",
     )
+    parser.add_argument(
+        "--production",
+        action="store_true",
+        help="also run the outbox (every event to JetStream) and ask for a lease with every "
+        "heartbeat, as `gpumesh controller` and real agents do",
+    )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--leases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--generator", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.generator:
-        asyncio.run(generate(args.url, args.nodes, args.rate, args.seconds))
+        asyncio.run(generate(args.url, args.nodes, args.rate, args.seconds, args.leases))
         return 0
     configure_logging(level="warning", json=False, stream=sys.stderr)
     if args.gc == "tuned":
