@@ -209,10 +209,17 @@ def decode(data: bytes) -> Frame:
     return Frame(kind, seq, meta, data[end:])
 
 
+# A node's direct front (nodeagent/front.py) sets this on a refusal the workload never saw,
+# with the reason (one of NOT_DELIVERED) as its value: the gateway may then repeat even a
+# request that is not safe to repeat, as it does for the tunnel's own such errors.
+NOT_DELIVERED_HEADER: Final = "Gpumesh-Not-Delivered"
+
 # Headers set per hop (RFC 9110 7.6.1), plus Host and Content-Length, which each hop sets for
-# itself: never forwarded, by the gateway or by the agent's end of the tunnel.
+# itself, and NOT_DELIVERED_HEADER, which only a front may set (a workload's is dropped): never
+# forwarded, by the gateway, the front or the agent's end of the tunnel.
 HOP_BY_HOP: frozenset[str] = frozenset(
     {
+        NOT_DELIVERED_HEADER.lower(),
         "connection",
         "keep-alive",
         "proxy-authenticate",

@@ -22,7 +22,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from events.tunnel import HOP_BY_HOP
+from events.tunnel import HOP_BY_HOP, NOT_DELIVERED, NOT_DELIVERED_HEADER
 
 from .tunnel import Fence, Resolve  # the same two questions the tunnel asks
 
@@ -37,9 +37,13 @@ def front_path(replica_id: str, epoch: int) -> str:
     return f"{PREFIX}{replica_id}/{epoch}"
 
 
-def _refuse(status: int, code: str, message: str) -> web.Response:
+def _refuse(status: int, code: str, message: str, *, reached: bool = False) -> web.Response:
+    """An error of the front's own. Unless the request `reached` the workload, a 5xx says so
+    in NOT_DELIVERED_HEADER, so the gateway may send even a POST to another replica."""
     body = _ERROR.encode({"error": {"message": message, "type": "upstream_error", "code": code}})
-    return web.Response(status=status, body=body, content_type="application/json")
+    headers = {NOT_DELIVERED_HEADER: code} if status >= 500 and not reached else None
+    assert headers is None or code in NOT_DELIVERED
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
 class DirectFront:
@@ -109,8 +113,11 @@ class DirectFront:
             upstream = await self._session.request(
                 request.method, url, headers=headers, data=body, allow_redirects=False
             )
-        except (aiohttp.ClientError, OSError) as exc:
+        except aiohttp.ClientConnectorError as exc:
             return _refuse(502, "connect_error", f"the workload did not answer: {exc}")
+        except (aiohttp.ClientError, OSError) as exc:
+            # Connected, so the workload may have seen the request before it went away.
+            return _refuse(502, "reset", f"the workload did not answer: {exc}", reached=True)
         async with upstream:
             response = web.StreamResponse(status=upstream.status)
             for name, value in upstream.headers.items():

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Sequence
 import aiohttp
 
 from events.messages import RouteEntry
-from events.tunnel import HOP_BY_HOP
+from events.tunnel import HOP_BY_HOP, NOT_DELIVERED_HEADER
 
 from .base import (
     ConnectFailed,
@@ -115,6 +115,12 @@ class DirectTransport:
         except (aiohttp.ClientError, OSError) as exc:
             # Connected, so the request may have reached the workload: not a connect failure.
             raise ResetBeforeHead(route.replica_id, _describe(exc)) from exc
+        refused = response.headers.get(NOT_DELIVERED_HEADER)
+        if refused is not None and response.status >= 500:
+            # The node's front refused it before the workload saw it (fenced, say): like the
+            # overlay's refusals, a connect failure, so even a POST may try another replica.
+            response.close()
+            raise ConnectFailed(route.replica_id, f"{response.status} {refused} from the node")
         return DirectResponse(route.replica_id, response)
 
     async def close(self) -> None:

@@ -18,6 +18,7 @@ from gateway.retry import RetryPolicy
 from gateway.transport.base import ConnectFailed, UpstreamError, UpstreamRequest
 from gateway.transport.direct import DirectTransport
 from gateway.transport.overlay import OverlayTransport
+from nodeagent.front import DirectFront, front_path
 from nodeagent.tunnel import TunnelServer
 from sim.bus import MemoryBus
 
@@ -118,3 +119,66 @@ async def test_a_direct_connect_timeout_is_a_connect_failure_not_a_slow_head() -
     assert isinstance(caught.value, ConnectFailed), caught.value
     assert caught.value.never_delivered
     assert RetryPolicy().retryable(caught.value, repeatable=False)
+
+
+@contextlib.asynccontextmanager
+async def fronted(workload: str, leased: bool) -> AsyncIterator[RouteEntry]:
+    """Replica r1@1 running `workload` behind a node's direct front, leased or not."""
+    front = DirectFront(
+        "127.0.0.1",
+        0,
+        lambda replica, epoch: workload if (replica, epoch) == ("r1", 1) else None,
+        lambda replica, epoch: "" if leased else "lease lapsed",
+    )
+    async with asyncio.TaskGroup() as tasks:
+        serving = tasks.create_task(front.run())
+        await front.listening.wait()
+        try:
+            yield RouteEntry(
+                replica_id="r1",
+                node_id="n1",
+                address=f"http://127.0.0.1:{front.port}{front_path('r1', 1)}",
+                epoch=1,
+            )
+        finally:
+            serving.cancel()
+
+
+async def test_a_direct_request_a_fenced_node_refused_surely_never_arrived() -> None:
+    """The front answers 503 `fenced` before the workload sees anything, and says so: even
+    a POST may go to another replica, as over the overlay."""
+    async with slow_orders() as (url, seen), fronted(url, leased=False) as route:
+        transport = DirectTransport()
+        try:
+            with pytest.raises(ConnectFailed) as caught:
+                await transport.open(route, POST)
+        finally:
+            await transport.close()
+    assert seen == []
+    assert "fenced" in str(caught.value)
+    assert RetryPolicy().retryable(caught.value, repeatable=False)
+
+
+async def test_a_workload_cannot_claim_its_own_5xx_never_arrived() -> None:
+    async def fail(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=503, headers={frames.NOT_DELIVERED_HEADER: "fenced"})
+
+    app = web.Application()
+    app.router.add_post("/orders", fail)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with fronted(url, leased=True) as route:
+            transport = DirectTransport()
+            try:
+                response = await transport.open(route, POST)
+                await response.aclose()
+            finally:
+                await transport.close()
+    finally:
+        await runner.cleanup()
+    assert response.status == 503  # a 5xx of the workload's: the proxy's status_5xx, no proof
+    assert frames.NOT_DELIVERED_HEADER.lower() not in {k.lower() for k, _ in response.headers}

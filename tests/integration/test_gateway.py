@@ -28,6 +28,7 @@ from gateway.auth import KeyRing
 from gateway.retry import RetryPolicy
 from gateway.router import RouterConfig
 from gateway.server import Gateway, GatewayConfig
+from nodeagent.front import DirectFront, front_path
 from nodeagent.tunnel import TunnelServer
 from tests.integration.gateway_kit import (
     RoutingSource,
@@ -442,6 +443,37 @@ async def test_a_passthrough_post_is_retried_when_it_never_reached_a_replica(
         for _ in range(6):
             async with http.post(f"{gw.url}/c/llama/v1/chat/completions", json=CHAT) as resp:
                 assert resp.status == 200 and resp.headers["X-Upstream"] == "u0"
+
+
+@pytest.mark.parametrize("transport", ["direct"])  # the overlay's fence: test_fencing.py
+async def test_a_passthrough_post_a_fenced_node_refused_goes_to_another_replica(
+    bus: NatsBus,
+    gateway: StartGateway,
+    source: RoutingSource,
+    upstreams: list[Upstream],
+    http: aiohttp.ClientSession,
+) -> None:
+    """A node whose lease lapsed refuses at its front before the workload sees anything, and
+    says so: a POST on /c/ then goes to a replica that can serve, as over the overlay."""
+    front = DirectFront(
+        "127.0.0.1", 0, lambda r, e: upstreams[1].address, lambda r, e: "lease lapsed"
+    )
+    async with asyncio.TaskGroup() as tasks:
+        serving = tasks.create_task(front.run())
+        await front.listening.wait()
+        fenced = route("u1", f"http://127.0.0.1:{front.port}{front_path('u1', 1)}")
+        await source.publish({"llama": [fenced, route("u0", upstreams[0].address)]})
+        try:
+            async with gateway() as gw:
+                # Enough that the balancer surely picks the fenced one (each pick is 1 in 2).
+                for _ in range(20):
+                    async with http.post(
+                        f"{gw.url}/c/llama/v1/chat/completions", json=CHAT
+                    ) as resp:
+                        assert resp.status == 200 and resp.headers["X-Upstream"] == "u0"
+        finally:
+            serving.cancel()
+    assert front.fenced >= 1 and upstreams[1].seen == []
 
 
 async def test_a_stream_still_open_when_the_shutdown_grace_ends_gets_an_error_event(

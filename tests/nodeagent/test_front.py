@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from events.tunnel import NOT_DELIVERED_HEADER
 from nodeagent.front import DirectFront, front_path
 
 
@@ -91,6 +92,8 @@ async def test_everything_else_is_refused(
     async with aiohttp.ClientSession() as http, http.post(url + path, data=b"x") as resp:
         assert resp.status == status
         assert (await resp.json())["error"]["code"] == code
+        # A 5xx the workload never saw says so, for the gateway's retry of a POST.
+        assert resp.headers.get(NOT_DELIVERED_HEADER) == (code if status >= 500 else None)
     assert fronted.fenced == (1 if code == "fenced" else 0)
 
 
