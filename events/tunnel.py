@@ -8,7 +8,12 @@ Shared by both ends (gateway/transport/overlay.py and nodeagent/tunnel.py); docs
 `meta` is a tagged msgspec struct for the kinds that have one (else empty) and `payload` the
 raw bytes of a body, uncopied into JSON and unencoded. `seq` numbers the response frames of one
 request (HEAD, DATA, END, ERROR) from 0, so that a gateway notices a lost frame: NATS core
-delivers at most once. REQUEST, CANCEL and ACK carry seq 0 and are not counted.
+delivers at most once. REQUEST, CANCEL, CREDIT and ACK carry seq 0 and are not counted.
+
+Flow control: a REQUEST with `window` > 0 lets the agent send at most that many body bytes
+beyond what the gateway has reported consumed in CREDIT frames; the agent stops reading from
+the workload meanwhile, so a slow client holds back the workload, not memory in the gateway.
+`window` 0 (a gateway older than flow control) means no limit.
 
 Decoding never raises anything but FrameError, whose message is one line.
 """
@@ -23,6 +28,7 @@ import msgspec
 # Gateway -> agent, on subjects.tunnel(node_id).
 REQUEST: Final = 0x01  # meta TunnelRequest, payload the request body; reply = the stream's inbox
 CANCEL: Final = 0x02  # meta TunnelCancel: stop the request streaming to `reply`
+CREDIT: Final = 0x03  # meta TunnelCredit: the gateway has passed on `consumed` body bytes
 
 # Agent -> gateway, on the request's reply subject.
 ACK: Final = 0x10  # no meta: the agent holds the request (sent only if no HEAD is ready soon)
@@ -34,6 +40,7 @@ ERROR: Final = 0x14  # meta TunnelError: the request failed; nothing follows
 KIND_NAMES: Final = {
     REQUEST: "REQUEST",
     CANCEL: "CANCEL",
+    CREDIT: "CREDIT",
     ACK: "ACK",
     HEAD: "HEAD",
     DATA: "DATA",
@@ -57,6 +64,7 @@ ErrorReason = Literal[
     "bad_request",  # the agent could not use the request (undecodable, bad method or path)
     "reset",  # the workload closed the connection before or while answering
     "first_byte_timeout",  # no response head within timeout_s
+    "stalled",  # the window was full and no CREDIT came for the agent's stall timeout
     "cancelled",  # the agent is shutting down
     "internal",  # a bug in the agent
 ]
@@ -79,6 +87,7 @@ class TunnelRequest(
     path: str  # path and query, e.g. /v1/chat/completions
     headers: Headers = ()  # end-to-end headers, as [name, value] pairs
     timeout_s: float = 0.0  # until the response head must be in (0: no limit)
+    window: int = 0  # body bytes the agent may send ahead of the gateway's CREDIT (0: no limit)
 
 
 class TunnelCancel(
@@ -88,6 +97,17 @@ class TunnelCancel(
 
     reply: str
     request_id: str = ""
+
+
+class TunnelCredit(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="tunnel.credit.v1"
+):
+    """The gateway has passed `consumed` body bytes (HEAD's, DATA's and END's payloads, from
+    the first) of the request streaming to `reply` on to its client. Cumulative, so a lost
+    CREDIT is made good by the next."""
+
+    reply: str
+    consumed: int
 
 
 class TunnelHead(
@@ -105,7 +125,7 @@ class TunnelError(
     detail: str = ""  # one line
 
 
-Meta = TunnelRequest | TunnelCancel | TunnelHead | TunnelError
+Meta = TunnelRequest | TunnelCancel | TunnelCredit | TunnelHead | TunnelError
 
 
 class FrameError(ValueError):
@@ -127,6 +147,7 @@ _ENCODER: Final = msgspec.json.Encoder()
 _META_TYPES: Final[dict[int, type[Meta] | None]] = {
     REQUEST: TunnelRequest,
     CANCEL: TunnelCancel,
+    CREDIT: TunnelCredit,
     ACK: None,
     HEAD: TunnelHead,
     DATA: None,
@@ -155,6 +176,10 @@ def encode_request(request: TunnelRequest, body: bytes = b"") -> bytes:
 
 def encode_cancel(reply: str, request_id: str = "") -> bytes:
     return encode(CANCEL, meta=TunnelCancel(reply=reply, request_id=request_id))
+
+
+def encode_credit(reply: str, consumed: int) -> bytes:
+    return encode(CREDIT, meta=TunnelCredit(reply=reply, consumed=consumed))
 
 
 def encode_ack() -> bytes:

@@ -6,6 +6,11 @@ A node behind NAT has only its outbound NATS connection; the gateway's overlay t
 inbox, and this server answers on that inbox: HEAD, then DATA frames as the body arrives, then
 END (or ERROR). Everything goes through the Bus protocol, so it runs on the simulator's
 MemoryBus as on NATS.
+
+Flow control: when the request names a `window`, a body is read from the workload only as
+fast as the gateway's CREDIT frames say its client takes it, so a slow client costs the
+workload's socket buffer, not the gateway's memory. A gateway silent for `stall_timeout_s`
+with the window full is gone or stuck: the request ends with ERROR `stalled`.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from events.tunnel import (
     ErrorReason,
     FrameError,
     TunnelCancel,
+    TunnelCredit,
     TunnelHead,
     TunnelRequest,
 )
@@ -40,6 +46,9 @@ DEFAULT_MAX_CONCURRENT: Final = 512
 # (ConnectFailed). Fast requests need none: their HEAD is the acknowledgement.
 ACK_AFTER_S: Final = 0.05
 _RETRY_S: Final = 1.0
+# How long a request waits for CREDIT with its window full before it gives up (the gateway's
+# own idle timeout for a stream is 60 s by default: longer than that, nobody is reading).
+STALL_TIMEOUT_S: Final = 90.0
 
 
 _log = structlog.get_logger("gpumesh.tunnel")
@@ -48,11 +57,27 @@ _log = structlog.get_logger("gpumesh.tunnel")
 class _Stream:
     """One request in flight, answered on `reply`."""
 
-    __slots__ = ("ack_timer", "answered", "cancelled", "reply", "request_id", "seq", "task")
+    __slots__ = (
+        "ack_timer",
+        "answered",
+        "cancelled",
+        "credit",
+        "credited",
+        "reply",
+        "request_id",
+        "sent",
+        "seq",
+        "task",
+        "window",
+    )
 
-    def __init__(self, reply: str, request_id: str) -> None:
+    def __init__(self, reply: str, request_id: str, window: int = 0) -> None:
         self.reply = reply
         self.request_id = request_id
+        self.window = window  # body bytes that may be ahead of the gateway's CREDIT (0: any)
+        self.sent = 0  # body bytes sent
+        self.credited = 0  # body bytes the gateway says it passed on
+        self.credit: asyncio.Event | None = None  # set when CREDIT comes to a waiting sender
         self.seq = 0  # of the next response frame
         self.answered = False  # a HEAD or ERROR went out: no ACK needed any more
         self.cancelled = False  # by the gateway's CANCEL
@@ -75,6 +100,7 @@ class TunnelServer:
         ack_after_s: float = ACK_AFTER_S,
         log: Any = None,
         fence: Fence | None = None,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
         self.subject = subjects.tunnel(node_id)
         self._bus = bus
@@ -83,12 +109,14 @@ class TunnelServer:
         self._max_concurrent = max_concurrent
         self._frame_bytes = frame_bytes
         self._ack_after_s = ack_after_s
+        self._stall_timeout_s = stall_timeout_s
         self._log: Any = (log if log is not None else _log).bind(component="tunnel")
         self._streams: dict[str, _Stream] = {}
         self._group: asyncio.TaskGroup | None = None
         self._session: aiohttp.ClientSession | None = None
         self._acks: asyncio.Queue[_Stream] = asyncio.Queue()
         self.subscribed = asyncio.Event()  # for tests and callers that must not race the first
+        self.window_full = asyncio.Event()  # set once any request has waited for CREDIT
         # Counters, for tests and status.
         self.requests = 0
         self.garbage = 0
@@ -143,6 +171,8 @@ class TunnelServer:
             await self._start(meta, frame.payload, reply)
         elif isinstance(meta, TunnelCancel):
             self._cancel(meta)
+        elif isinstance(meta, TunnelCredit):
+            self._credit(meta)
         else:
             await self._garbage(f"unexpected {frame.kind_name} frame on the tunnel subject", "")
 
@@ -184,7 +214,7 @@ class TunnelServer:
             await self._fail_now(reply, "bad_request", f"path {request.path!r} is not absolute")
             return
         assert self._group is not None
-        stream = _Stream(reply, request.request_id)
+        stream = _Stream(reply, request.request_id, max(0, request.window))
         stream.ack_timer = asyncio.get_running_loop().call_later(
             self._ack_after_s, self._ack_due, stream
         )
@@ -201,6 +231,32 @@ class TunnelServer:
         self.cancels += 1
         stream.cancelled = True
         stream.task.cancel()
+
+    def _credit(self, credit: TunnelCredit) -> None:
+        stream = self._streams.get(credit.reply)
+        if stream is None or credit.consumed <= stream.credited:
+            return  # finished already, or an older CREDIT overtaken by a newer one
+        stream.credited = credit.consumed
+        if stream.credit is not None:
+            stream.credit.set()
+
+    async def _room(self, stream: _Stream) -> bool:
+        """Wait until the stream's window has room; False if the gateway
+        stayed silent for the stall timeout."""
+        if not stream.window:
+            return True
+        # One frame may go beyond the window, so a frame larger than it still goes out.
+        while stream.sent - stream.credited >= stream.window:
+            self.window_full.set()
+            stream.credit = asyncio.Event()
+            try:
+                async with asyncio.timeout(self._stall_timeout_s):
+                    await stream.credit.wait()
+            except TimeoutError:
+                return False
+            finally:
+                stream.credit = None
+        return True
 
     async def _fail_now(self, reply: str, reason: ErrorReason, detail: str) -> None:
         self.errors[reason] = self.errors.get(reason, 0) + 1
@@ -294,20 +350,39 @@ class TunnelServer:
             await self._send(stream, frames.encode_head(stream.seq, head, data))
             return
         await self._send(stream, frames.encode_head(stream.seq, head, data))
+        stream.sent += len(data)
         while True:
+            # Read only when the window has room: the workload's unread bytes wait in its
+            # socket, and TCP slows it down.
+            if not await self._room(stream):
+                await self._stalled(stream)
+                return
             data = await content.readany()
             if not data:
                 await self._send(stream, frames.encode_end(stream.seq))
                 return
             while len(data) > cap:
                 await self._send(stream, frames.encode_data(stream.seq, data[:cap]))
+                stream.sent += cap
                 data = data[cap:]
+                if not await self._room(stream):
+                    await self._stalled(stream)
+                    return
             if len(data) < cap:
                 data += content.read_nowait(cap - len(data))
+            stream.sent += len(data)
             if content.at_eof():
                 await self._send(stream, frames.encode_end(stream.seq, data))
                 return
             await self._send(stream, frames.encode_data(stream.seq, data))
+
+    async def _stalled(self, stream: _Stream) -> None:
+        unacknowledged = stream.sent - stream.credited
+        await self._error(
+            stream,
+            "stalled",
+            f"no CREDIT for {self._stall_timeout_s:g} s, {unacknowledged} bytes unacknowledged",
+        )
 
     async def _send(self, stream: _Stream, frame: bytes) -> None:
         stream.answered = True

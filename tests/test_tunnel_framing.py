@@ -11,7 +11,15 @@ import pytest
 from hypothesis import given, strategies as st
 
 from events import tunnel as t
-from events.tunnel import Frame, FrameError, TunnelCancel, TunnelError, TunnelHead, TunnelRequest
+from events.tunnel import (
+    Frame,
+    FrameError,
+    TunnelCancel,
+    TunnelCredit,
+    TunnelError,
+    TunnelHead,
+    TunnelRequest,
+)
 
 REQUEST = TunnelRequest(
     request_id="req-1",
@@ -46,6 +54,10 @@ def test_the_layout_is_kind_seq_meta_length_meta_payload() -> None:
         (
             t.encode_cancel("_INBOX.x.1", "req-1"),
             Frame(t.CANCEL, 0, TunnelCancel(reply="_INBOX.x.1", request_id="req-1")),
+        ),
+        (
+            t.encode_credit("_INBOX.x.1", 524_288),
+            Frame(t.CREDIT, 0, TunnelCredit(reply="_INBOX.x.1", consumed=524_288)),
         ),
         (t.encode_ack(), Frame(t.ACK)),
         (
@@ -128,7 +140,7 @@ def test_the_contract_page_lists_every_meta_field_and_tag() -> None:
     ]
     assert "```json" not in section  # the contract test would try to parse it as a payload
     assert not re.search(r"^\| Payload \|", section, re.M)  # no JSON example to check
-    for cls in (TunnelRequest, TunnelCancel, TunnelHead, TunnelError):
+    for cls in (TunnelRequest, TunnelCancel, TunnelCredit, TunnelHead, TunnelError):
         heading = f"#### `events.tunnel.{cls.__name__}`\n"
         assert heading in section, cls.__name__
         table = section[section.index(heading) :].split("\n#### ")[0]

@@ -16,6 +16,11 @@ Failures before the head, as gateway/transport/base.py wants them:
 - ACKed but no HEAD within the request's `first_byte_timeout`: FirstByteTimeout;
 - a lost frame, or an ERROR after the workload got the request: ResetBeforeHead.
 After the head: an ERROR, a lost frame, or `idle_timeout` without a frame: StreamBroken.
+
+Flow control: each request offers the agent a window of `window_bytes`; as the proxy takes
+body chunks (it asks for the next only once it has written the last to its client), CREDIT
+frames tell the agent how far it got. A slow client so holds at most about one window of its
+body here, not everything the workload can produce.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ from .base import (
 
 # NATS's default max_payload; a connected NatsBus reports the server's own.
 DEFAULT_MAX_PAYLOAD: Final = 1024 * 1024
+# Two of the agent's largest frames in flight per request; a CREDIT every quarter of it.
+DEFAULT_WINDOW_BYTES: Final = 2 * frames.MAX_FRAME_PAYLOAD
 _NO_RESPONDERS: Final = "503"
 
 _log = structlog.get_logger("gpumesh.overlay")
@@ -75,11 +82,16 @@ class OverlayTransport:
         idle_timeout: float = 60.0,
         max_request_bytes: int = 0,
         inbox: str = "",
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
     ) -> None:
         """`idle_timeout`: the longest silence mid-body before the stream counts as broken.
         `max_request_bytes`: 0 takes the NATS server's max_payload (else 1 MiB). `inbox`: the
-        reply subject prefix; by default the bus's `new_inbox()`, else a random one."""
+        reply subject prefix; by default the bus's `new_inbox()`, else a random one.
+        `window_bytes`: body bytes the agent may send ahead of this client (0: no limit)."""
+        if window_bytes < 0:
+            raise ValueError(f"window_bytes must be 0 or more, not {window_bytes}")
         self._bus = bus
+        self.window_bytes = window_bytes
         self.connect_timeout = connect_timeout
         self.idle_timeout = idle_timeout
         self._max_request = max_request_bytes
@@ -112,6 +124,7 @@ class OverlayTransport:
             path=request.path,
             headers=tuple((k, v) for k, v in request.headers),
             timeout_s=request.first_byte_timeout,
+            window=self.window_bytes,
         )
         frame = frames.encode_request(meta, request.body)
         if len(frame) > self._max_request:
@@ -306,6 +319,8 @@ class OverlayResponse:
         self._ended = head.end
         self._agent_done = head.end  # the agent sent its last frame for this request
         self._seq = 1
+        self._passed = 0  # body bytes handed to the consumer
+        self._credited = 0  # of those, how many the agent has been told about
         if head.end:
             call.transport._drop(call.token)
             call.queue = None
@@ -314,6 +329,7 @@ class OverlayResponse:
         if self._first:
             first, self._first = self._first, b""
             yield first
+            await self._passed_on(len(first))
         call = self._call
         while not self._ended:
             queue = call.queue
@@ -330,6 +346,25 @@ class OverlayResponse:
                 await call.finish(cancel=False)
             if payload:
                 yield payload
+                await self._passed_on(len(payload))
+
+    async def _passed_on(self, size: int) -> None:
+        """The consumer came back for more: `size` bytes are with the client. Tell the agent
+        once a quarter of the window has gone, so it never waits on a client that keeps up."""
+        self._passed += size
+        window = self._call.transport.window_bytes
+        if not window or self._agent_done or self._passed - self._credited < window // 4:
+            return
+        self._credited = self._passed
+        call = self._call
+        try:
+            await call.transport._bus.publish(
+                call.subject, frames.encode_credit(call.reply, self._passed)
+            )
+        except BusError as exc:
+            # Cumulative: the next CREDIT makes up for this one (or the agent's stall timeout
+            # ends a stream nobody can reach any more).
+            _log.debug("overlay_credit_failed", request_id=call.request_id, error=str(exc))
 
     async def _next(self, queue: asyncio.Queue[Msg | None]) -> Msg | None:
         if not queue.empty():

@@ -25,7 +25,7 @@ from gateway.transport.base import (
     UpstreamRequest,
     UpstreamResponse,
 )
-from gateway.transport.overlay import OverlayTransport, RequestTooLarge
+from gateway.transport.overlay import DEFAULT_WINDOW_BYTES, OverlayTransport, RequestTooLarge
 from nodeagent.tunnel import TunnelServer
 from nodeagent.workload import echo
 from sim.bus import MemoryBus
@@ -174,7 +174,10 @@ async def test_a_stream_arrives_as_it_is_produced(bus: NatsBus, agent_bus: NatsB
     assert last - first > 0.3, arrivals
 
 
-async def test_a_body_larger_than_a_frame_arrives_whole(bus: NatsBus, agent_bus: NatsBus) -> None:
+@pytest.mark.parametrize("window", [0, DEFAULT_WINDOW_BYTES])  # 0: a gateway before credits
+async def test_a_body_larger_than_a_frame_arrives_whole(
+    bus: NatsBus, agent_bus: NatsBus, window: int
+) -> None:
     big = bytes(range(256)) * 6000  # 1.5 MB, bigger than NATS's max_payload
 
     async def handler(request: web.Request) -> web.Response:
@@ -185,12 +188,89 @@ async def test_a_body_larger_than_a_frame_arrives_whole(bus: NatsBus, agent_bus:
     async with (
         app_server(app) as (url, _),
         agent(agent_bus, {("r1", 1): url}),
-        overlay(bus) as transport,
+        overlay(bus, window_bytes=window) as transport,
     ):
         response = await transport.open(ROUTE, get("/big"))
         chunks = [chunk async for chunk in response.chunks()]
     assert b"".join(chunks) == big
     assert max(len(c) for c in chunks) <= frames.MAX_FRAME_PAYLOAD
+
+
+def firehose(size: int) -> tuple[web.Application, list[int]]:
+    """GET /big streams `size` bytes as fast as its client takes them; [0] counts written."""
+    written = [0]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        await response.prepare(request)
+        block = b"x" * 65536
+        while written[0] < size:
+            await response.write(block)
+            written[0] += len(block)
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/big", handler)
+    return app, written
+
+
+async def test_a_slow_client_holds_back_the_workload_not_the_gateway(
+    bus: NatsBus, agent_bus: NatsBus
+) -> None:
+    size, frame, window = 32 * 1024 * 1024, 64 * 1024, 128 * 1024
+    app, written = firehose(size)
+    async with (
+        app_server(app) as (url, _),
+        agent(agent_bus, {("r1", 1): url}, frame_bytes=frame) as server,
+        overlay(bus, window_bytes=window) as transport,
+    ):
+        response = await transport.open(ROUTE, get("/big"))
+        chunks = response.chunks()
+        received = len(await anext(chunks))  # then the client reads nothing for a while
+        async with asyncio.timeout(5):
+            await server.window_full.wait()
+        stream = next(iter(server._streams.values()))
+        (queue,) = transport._streams.values()
+        held = sum(len(msg.data) for msg in queue._queue if msg is not None)  # type: ignore[attr-defined]
+        assert held <= window + 2 * (frame + 1024)  # what the agent may send ahead, with prefixes
+        assert stream.sent - stream.credited <= window + frame
+        assert written[0] < size // 2  # the rest waits in the workload
+        async with asyncio.timeout(30):
+            async for chunk in chunks:  # the client catches up: CREDIT lets the rest through
+                received += len(chunk)
+    assert received == size == written[0]
+
+
+async def test_a_gateway_that_stops_reading_is_given_up_as_stalled(
+    bus: NatsBus, agent_bus: NatsBus
+) -> None:
+    """A gateway that asked for a window and then sends no CREDIT (gone, or stuck): the agent
+    ends the request with ERROR `stalled` instead of holding the workload forever."""
+    app, written = firehose(32 * 1024 * 1024)
+    window = 128 * 1024
+    inbox = "_INBOX.stall-test"
+    replies = await bus.subscribe(f"{inbox}.*")
+    request = frames.TunnelRequest(
+        request_id="req-stall", replica_id="r1", epoch=1, method="GET", path="/big", window=window
+    )
+    async with (
+        app_server(app) as (url, _),
+        agent(agent_bus, {("r1", 1): url}, frame_bytes=64 * 1024, stall_timeout_s=0.2) as server,
+    ):
+        await bus.publish(subjects.tunnel(NODE), frames.encode_request(request), reply=f"{inbox}.1")
+        body = 0
+        async with asyncio.timeout(10):
+            async for msg in replies:
+                frame = frames.decode(msg.data)
+                body += len(frame.payload)
+                if frame.kind == frames.ERROR:
+                    break
+    await replies.unsubscribe()
+    assert isinstance(frame.meta, frames.TunnelError) and frame.meta.reason == "stalled"
+    assert server.errors.get("stalled") == 1
+    assert window <= body <= window + 64 * 1024
+    assert written[0] < 32 * 1024 * 1024
 
 
 async def test_an_unknown_replica_is_a_connect_failure(
