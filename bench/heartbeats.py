@@ -38,7 +38,7 @@ from actors.outbox import OutboxPublisher  # noqa: E402
 from actors.real_env import real_env  # noqa: E402
 from events import subjects  # noqa: E402
 from events.messages import Heartbeat, Register  # noqa: E402
-from events.node import GpuInfo, GpuMetrics, NodeHeartbeat  # noqa: E402
+from events.node import GpuInfo, GpuMetrics, NodeHealthChanged, NodeHeartbeat  # noqa: E402
 from events.sqlite_store import SqliteEventStore  # noqa: E402
 from gpumesh.gc_tuning import tune_collector  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
@@ -75,6 +75,7 @@ async def generate(url: str, nodes: int, rate: float, seconds: float, leases: bo
         await nc.subscribe("hbbench.ack.*", cb=count_ack)
     metrics = (GpuMetrics(index=0, temperature_c=55.0), GpuMetrics(index=1, temperature_c=57.0))
     encoder = msgspec.json.Encoder()
+    print(json.dumps({"load_started": True}), flush=True)  # every node registered
     seq = [0] * nodes
     sent = 0
     start = time.perf_counter()
@@ -121,12 +122,17 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             # The whole of `gpumesh controller`: every event also published to JetStream.
             outbox = OutboxPublisher(store, bus) if args.production else None
             latencies: list[float] = []
+            offline_at: list[float] = []  # when each node was declared offline
+            load_started = load_ended = float("inf")
             counted = 0
             window: list[float] = []
 
             async def observe() -> None:
                 nonlocal counted
                 async for envelope in store.subscribe(1):
+                    payload = envelope.payload
+                    if isinstance(payload, NodeHealthChanged) and payload.state == "offline":
+                        offline_at.append(time.perf_counter())
                     if isinstance(envelope.payload, NodeHeartbeat) and envelope.payload.sent_at_ns:
                         counted += 1
                         now = time.time_ns()
@@ -154,7 +160,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     *(["--leases"] if args.production else []),
                     stdout=subprocess.PIPE,
                 )
-                out, _ = await gen.communicate()
+                assert gen.stdout is not None
+                await gen.stdout.readline()  # registration done: the load begins
+                load_started = time.perf_counter()
+                out = await gen.stdout.read()
+                await gen.wait()
+                load_ended = time.perf_counter()
                 generated = json.loads(out)
                 sent = generated["sent"]
                 generator_cpu = _children_cpu()
@@ -187,6 +198,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "controller_cpu_seconds": round(cpu, 2),
         "controller_cpu_us_per_heartbeat": round(cpu / max(1, counted) * 1e6, 1),
         "gc": args.gc,
+        # Every node beats throughout the load: an offline verdict then is false. (Before it,
+        # the first nodes wait silent for the others to register, and a verdict on that may
+        # land in the first second of the load; after it, the bench has stopped its nodes.)
+        "declared_offline_during_load": sum(
+            1 for t in offline_at if load_started + 1.0 < t < load_ended
+        ),
         "production_path": args.production,
         "outbox_published": outbox.published if outbox is not None else None,
         "lease_acks_received": generated["acks"] if args.production else None,
