@@ -287,6 +287,7 @@ def _envelope(row: Sequence[Any]) -> Envelope:
 
 
 def _damaged_envelope(row: Sequence[Any]) -> Envelope:
+    """A row _envelope found a column of the wrong type in."""
     position, event_id, stream, version, type_, recorded_at, correlation, causation, data = row
     if type(data) is not bytes:
         data = _as_bytes(data)
@@ -315,16 +316,9 @@ def _damaged_envelope(row: Sequence[Any]) -> Envelope:
                 raw=data, error=f"damaged row: {', '.join(wrong)} not of the schema's type"
             ),
         )
-    return Envelope(
-        event_id=event_id,
-        stream=stream,
-        version=version,
-        position=position,
-        type=type_tag,
-        recorded_at=recorded_at,
-        correlation_id=correlation or "",
-        causation_id=causation or "",
-        payload=decode_payload(type_tag, data),
+    # Only the payload or its type tag was off: read as a clean row, which decodes what it can.
+    return _envelope(
+        (position, event_id, stream, version, type_tag, recorded_at, correlation, causation, data)
     )
 
 

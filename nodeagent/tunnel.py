@@ -241,8 +241,8 @@ class TunnelServer:
             stream.credit.set()
 
     async def _room(self, stream: _Stream) -> bool:
-        """Wait until the stream's window has room; False if the gateway
-        stayed silent for the stall timeout."""
+        """Wait until the stream's window has room. False once the gateway has stayed silent
+        for the stall timeout: the request has then ended with ERROR `stalled`."""
         if not stream.window:
             return True
         # One frame may go beyond the window, so a frame larger than it still goes out.
@@ -253,6 +253,13 @@ class TunnelServer:
                 async with asyncio.timeout(self._stall_timeout_s):
                     await stream.credit.wait()
             except TimeoutError:
+                unacknowledged = stream.sent - stream.credited
+                await self._error(
+                    stream,
+                    "stalled",
+                    f"no CREDIT for {self._stall_timeout_s:g} s, "
+                    f"{unacknowledged} bytes unacknowledged",
+                )
                 return False
             finally:
                 stream.credit = None
@@ -355,7 +362,6 @@ class TunnelServer:
             # Read only when the window has room: the workload's unread bytes wait in its
             # socket, and TCP slows it down.
             if not await self._room(stream):
-                await self._stalled(stream)
                 return
             data = await content.readany()
             if not data:
@@ -366,7 +372,6 @@ class TunnelServer:
                 stream.sent += cap
                 data = data[cap:]
                 if not await self._room(stream):
-                    await self._stalled(stream)
                     return
             if len(data) < cap:
                 data += content.read_nowait(cap - len(data))
@@ -375,14 +380,6 @@ class TunnelServer:
                 await self._send(stream, frames.encode_end(stream.seq, data))
                 return
             await self._send(stream, frames.encode_data(stream.seq, data))
-
-    async def _stalled(self, stream: _Stream) -> None:
-        unacknowledged = stream.sent - stream.credited
-        await self._error(
-            stream,
-            "stalled",
-            f"no CREDIT for {self._stall_timeout_s:g} s, {unacknowledged} bytes unacknowledged",
-        )
 
     async def _send(self, stream: _Stream, frame: bytes) -> None:
         stream.answered = True

@@ -115,8 +115,8 @@ class DirectTransport:
         except (aiohttp.ClientError, OSError) as exc:
             # Connected, so the request may have reached the workload: not a connect failure.
             raise ResetBeforeHead(route.replica_id, _describe(exc)) from exc
-        refused = response.headers.get(NOT_DELIVERED_HEADER)
-        if refused is not None and response.status >= 500:
+        refused = response.status >= 500 and response.headers.get(NOT_DELIVERED_HEADER)
+        if refused:
             # The node's front refused it before the workload saw it (fenced, say): like the
             # overlay's refusals, a connect failure, so even a POST may try another replica.
             response.close()

@@ -351,12 +351,12 @@ class OverlayResponse:
     async def _passed_on(self, size: int) -> None:
         """The consumer came back for more: `size` bytes are with the client. Tell the agent
         once a quarter of the window has gone, so it never waits on a client that keeps up."""
+        call = self._call
         self._passed += size
-        window = self._call.transport.window_bytes
+        window = call.transport.window_bytes
         if not window or self._agent_done or self._passed - self._credited < window // 4:
             return
         self._credited = self._passed
-        call = self._call
         try:
             await call.transport._bus.publish(
                 call.subject, frames.encode_credit(call.reply, self._passed)
