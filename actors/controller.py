@@ -33,6 +33,7 @@ from .cluster_actor import ClusterActor, ClusterMsg, Reconcile
 from .command_queue import CommandQueue
 from .env import BusError, Env, Msg, RandomSource
 from .health import HealthPolicy
+from .heartbeat_recorder import HeartbeatRecorder, NodeLiveness
 from .intake_limit import IntakeLimiter
 from .live_state import LiveState
 from .node_actor import Beat, Join, NodeActor, NodeMsg
@@ -84,6 +85,8 @@ class Controller:
             rate_per_s=self.config.heartbeat_rate_per_interval / health.heartbeat_interval,
             burst=self.config.heartbeat_burst,
         )
+        self.liveness = NodeLiveness()
+        self.heartbeats = HeartbeatRecorder(env, self._heartbeats_lost)
         self.ready = asyncio.Event()
         self._system: ActorSystem | None = None
         self._rng = env.derive_rng("scheduler")
@@ -108,7 +111,9 @@ class Controller:
 
     async def node(self, node_id: str) -> ActorRef[NodeMsg]:
         return await self._get_or_spawn(
-            f"node:{node_id}", lambda: NodeActor(node_id, self.config.health), {"node": node_id}
+            f"node:{node_id}",
+            lambda: NodeActor(node_id, self.config.health, self.liveness),
+            {"node": node_id},
         )
 
     async def cluster(self, name: str) -> ActorRef[ClusterMsg]:
@@ -152,6 +157,7 @@ class Controller:
         async with ActorSystem(self.env) as system, asyncio.TaskGroup() as tasks:
             self._system = system
             tasks.create_task(self.live.run(), name="live-state")
+            tasks.create_task(self.heartbeats.run(), name="heartbeats")
             await self._respawn()
             bus = self.env.bus
             subscriptions = [
@@ -201,8 +207,11 @@ class Controller:
                 # sender retries, and serving everything else goes on.
                 self._drop("store_error", msg, str(exc))
 
-    def _drop(self, kind: str, msg: Msg, detail: str) -> None:
-        self.dropped[kind] += 1
+    def _heartbeats_lost(self, kind: str, count: int, detail: str) -> None:
+        self._drop(f"heartbeat_{kind}", None, detail, count)
+
+    def _drop(self, kind: str, msg: Msg | None, detail: str, count: int = 1) -> None:
+        self.dropped[kind] += count
         # A flood of bad messages must not become a flood of log lines (each costs more than
         # dropping the message): one line per kind per interval, with what it left out.
         now = self.env.clock.monotonic()
@@ -213,10 +222,10 @@ class Controller:
         self.log.warning(
             "message_dropped",
             kind=kind,
-            subject=msg.subject,
+            subject=msg.subject if msg is not None else "",
             detail=detail[:200],
             total=self.dropped[kind],
-            not_logged=max(0, self.dropped[kind] - total_then - 1),
+            not_logged=max(0, self.dropped[kind] - total_then - count),
         )
 
     # -- agent traffic ------------------------------------------------------------------
@@ -238,11 +247,16 @@ class Controller:
             self._drop("impersonation", msg, f"heartbeat for {hb.node_id} on {msg.subject}")
             return
         ref = await self.node(hb.node_id)
-        if ref.full:
-            # A flooding node fills only its own mailbox; everyone else's heartbeats go on.
-            self._drop("flood", msg, f"node {hb.node_id} mailbox full")
+        if not self.heartbeats.offer(hb):
+            self._drop("backlog", msg, "the heartbeat recorder's backlog is full")
             return
-        ref.try_tell(Beat(hb))
+        self.liveness.heard(hb.node_id, self.env.clock.monotonic())
+        if self.liveness.may_change_verdict(hb, self.config.health):
+            if ref.full:
+                # A flooding node fills only its own mailbox; everyone else's heartbeats go on.
+                self._drop("flood", msg, f"node {hb.node_id} mailbox full")
+                return
+            ref.try_tell(Beat(hb))
         for replica in hb.replicas:
             await self._route_report(hb.node_id, replica)
         if msg.reply:

@@ -1,8 +1,11 @@
-"""NodeActor: one per node. Records registrations and every heartbeat, and decides health.
+"""NodeActor: one per node. Records registrations and decides health.
 
-Silence is measured on the loop clock from the last heartbeat this incarnation saw: after a
-controller restart every node gets a fresh grace period instead of being declared offline for
-the time the controller itself was down.
+Heartbeats themselves are recorded by the controller's HeartbeatRecorder, in their own stream;
+the actor sees only those that could change its verdict (actors/heartbeat_recorder.py).
+
+Silence is measured on the loop clock from the last heartbeat the controller took in, or from
+this incarnation's start if later: after a controller restart every node gets a fresh grace
+period instead of being declared offline for the time the controller itself was down.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from events import (
     DomainEvent,
     NodeDrained,
     NodeHealthChanged,
-    NodeHeartbeat,
     NodeRegistered,
     NodeRemoved,
     stream_name,
@@ -27,6 +29,7 @@ from events.node import HealthState
 from .actor import ActorContext
 from .event_sourced import EventSourcedActor
 from .health import HealthPolicy, evaluate, missed_heartbeats
+from .heartbeat_recorder import NodeLiveness, verdict_changes
 
 
 class NodeState(msgspec.Struct, kw_only=True):
@@ -64,13 +67,25 @@ NodeMsg = Beat | Join | CheckSilence | Drain
 class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
     snapshot_type = NodeState
 
-    def __init__(self, node_id: str, policy: HealthPolicy) -> None:
+    def __init__(
+        self, node_id: str, policy: HealthPolicy, liveness: NodeLiveness | None = None
+    ) -> None:
         self.node_id = node_id
         self.policy = policy
+        self.liveness = liveness if liveness is not None else NodeLiveness()
         self._stream = stream_name("node", node_id)
-        self.last_seen = 0.0
-        self.suspect_logged = False
+        self._grace_from = 0.0  # silence counts from here at the earliest
+        self._suspect_for: float | None = None  # the last_seen a suspicion was logged for
         self.cut_off_at: float | None = None  # when this controller lost its bus, if it has
+
+    @property
+    def last_seen(self) -> float:
+        return max(self._grace_from, self.liveness.last_heard.get(self.node_id, 0.0))
+
+    @property
+    def suspect_logged(self) -> bool:
+        # A heartbeat since the suspicion moves last_seen on, and a new silence may be logged.
+        return self._suspect_for == self.last_seen
 
     @property
     def stream(self) -> str:
@@ -97,7 +112,8 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         return state
 
     async def on_recovered(self, ctx: ActorContext[NodeMsg]) -> None:
-        self.last_seen = ctx.env.clock.monotonic()
+        self._grace_from = ctx.env.clock.monotonic()
+        self._share_verdict()
         ctx.create_task(self._watch(ctx), name=f"silence:{self.node_id}")
 
     async def _watch(self, ctx: ActorContext[NodeMsg]) -> None:
@@ -130,6 +146,15 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                 ctx.self_ref.try_tell(CheckSilence())
 
     async def handle(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> object:
+        try:
+            return await self._handle(ctx, msg)
+        finally:
+            self._share_verdict()  # also after a failed persist, which reloads state
+
+    def _share_verdict(self) -> None:
+        self.liveness.verdicts[self.node_id] = (self.state.health, self.state.reason)
+
+    async def _handle(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> object:
         match msg:
             case Beat(heartbeat=hb):
                 return await self._on_heartbeat(ctx, hb)
@@ -145,7 +170,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                 return []
 
     async def _on_register(self, ctx: ActorContext[NodeMsg], reg: Register) -> RegisterReply:
-        self.last_seen = ctx.env.clock.monotonic()
+        self._grace_from = max(self._grace_from, ctx.env.clock.monotonic())
         event = NodeRegistered(
             node_id=reg.node_id,
             hostname=reg.hostname,
@@ -165,43 +190,29 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         return RegisterReply(accepted=True, heartbeat_interval_s=self.policy.heartbeat_interval)
 
     async def _on_heartbeat(self, ctx: ActorContext[NodeMsg], hb: Heartbeat) -> list[int]:
-        self.last_seen = ctx.env.clock.monotonic()
-        self.suspect_logged = False
-        events: list[DomainEvent] = [
-            NodeHeartbeat(
-                node_id=self.node_id,
-                seq=hb.seq,
-                sent_at_ns=hb.sent_at_ns,
-                gpus=hb.gpus,
-                probe_error=hb.probe_error,
-                running=tuple(
-                    f"{r.replica_id}@{r.epoch}"
-                    for r in hb.replicas
-                    if r.state in ("starting", "ready")
-                ),
-            )
-        ]
-        verdict = evaluate(
-            hb.gpus, hb.probe_error, self.state.health, self.state.reason, self.policy
+        """A heartbeat the controller judged could change the verdict (already recorded, or
+        being recorded, by the HeartbeatRecorder): decide on this actor's own state."""
+        state = self.state
+        if not verdict_changes(hb, state.health, state.reason, self.policy):
+            return []  # the verdict it was passed on for has already been reached
+        verdict = evaluate(hb.gpus, hb.probe_error, state.health, state.reason, self.policy)
+        ctx.log.info(
+            "node_health_changed",
+            state=verdict.state,
+            reason=verdict.reason,
+            detail=verdict.detail,
         )
-        if verdict.state != self.state.health or (
-            verdict.state != "healthy" and verdict.reason != self.state.reason
-        ):
-            events.append(
+        return await self.persist(
+            ctx,
+            [
                 NodeHealthChanged(
                     node_id=self.node_id,
                     state=verdict.state,
                     reason=verdict.reason,
                     detail=verdict.detail,
                 )
-            )
-            ctx.log.info(
-                "node_health_changed",
-                state=verdict.state,
-                reason=verdict.reason,
-                detail=verdict.detail,
-            )
-        return await self.persist(ctx, events)
+            ],
+        )
 
     async def _on_check(self, ctx: ActorContext[NodeMsg]) -> list[int]:
         if not self.state.registered or self.state.health == "offline":
@@ -220,7 +231,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             # Back: count missed heartbeats from now, as after a controller restart.
             ctx.log.info("controller_reconnected", cut_off_s=round(now - self.cut_off_at, 3))
             self.cut_off_at = None
-            self.last_seen = max(self.last_seen, now)
+            self._grace_from = max(self._grace_from, now)
             return []
         missed = missed_heartbeats(now, self.last_seen, self.policy)
         if missed >= self.policy.offline_after:
@@ -237,7 +248,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                 ],
             )
         if missed >= self.policy.suspect_after and not self.suspect_logged:
-            self.suspect_logged = True
+            self._suspect_for = self.last_seen
             ctx.log.warning("node_suspect", missed=missed)
         return []
 

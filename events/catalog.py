@@ -65,7 +65,11 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
 
 HEARTBEAT_TYPE = "node.heartbeat.v1"
 
-_NODE_TYPES = (NodeRegistered, NodeHeartbeat, NodeHealthChanged, NodeDrained, NodeRemoved)
+_NODE_TYPES = (NodeRegistered, NodeHealthChanged, NodeDrained, NodeRemoved)
+# Heartbeats have a stream of their own beside `node/<id>`: the controller records them in
+# batches, one append for many nodes, without taking a turn in each NodeActor's mailbox, and
+# the NodeActor, which owns `node/<id>` and its decisions, never races those appends.
+STREAM_KINDS = ("node", "heartbeat", "cluster", "replica")
 _CLUSTER_SPEC_TYPES = (ClusterCreated, ClusterSpecChanged)
 
 
@@ -78,6 +82,8 @@ def type_tag(event: DomainEvent) -> str:
 
 def stream_of(event: DomainEvent) -> str:
     """The stream an event belongs to; an append to any other stream is refused."""
+    if isinstance(event, NodeHeartbeat):
+        return f"heartbeat/{event.node_id}"
     if isinstance(event, _NODE_TYPES):
         return f"node/{event.node_id}"
     if isinstance(event, _CLUSTER_SPEC_TYPES):
@@ -89,8 +95,10 @@ def stream_of(event: DomainEvent) -> str:
 
 def stream_name(kind: str, ident: str) -> str:
     """Build `kind/ident`, refusing ids that cannot appear in a NATS subject."""
-    if kind not in ("node", "cluster", "replica"):
-        raise InvalidAppend(f"unknown stream kind {kind!r}: expected node, cluster or replica")
+    if kind not in STREAM_KINDS:
+        raise InvalidAppend(
+            f"unknown stream kind {kind!r}: expected node, heartbeat, cluster or replica"
+        )
     if not valid_id(ident):
         raise InvalidAppend(f"invalid {kind} id {ident!r}: use 1-128 of [A-Za-z0-9_-]")
     return f"{kind}/{ident}"
@@ -100,7 +108,8 @@ def check_stream(stream: str) -> None:
     kind, sep, ident = stream.partition("/")
     if not sep:
         raise InvalidAppend(
-            f"invalid stream {stream!r}: expected node/<id>, cluster/<name> or replica/<id>"
+            f"invalid stream {stream!r}: expected node/<id>, heartbeat/<id>, cluster/<name> "
+            "or replica/<id>"
         )
     stream_name(kind, ident)
 

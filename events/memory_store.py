@@ -9,7 +9,7 @@ from ._append_rules import check_batch
 from ._commit_signal import CommitSignal, follow
 from .catalog import HEARTBEAT_TYPE
 from .envelope import Envelope, NewEvent
-from .errors import ConcurrencyConflict, DuplicateEventId, StoreClosed
+from .errors import ConcurrencyConflict, DuplicateEventId, EventStoreError, StoreClosed
 from .store import ANY, Snapshot
 
 
@@ -30,6 +30,19 @@ class MemoryEventStore:
         self, stream: str, events: Sequence[NewEvent], expected_version: int
     ) -> list[int]:
         return self.append_now(stream, events, expected_version)
+
+    async def append_many(
+        self, appends: Sequence[tuple[str, Sequence[NewEvent], int]]
+    ) -> list[list[int] | EventStoreError]:
+        if self._closed:
+            raise StoreClosed()
+        results: list[list[int] | EventStoreError] = []
+        for stream, events, expected_version in appends:
+            try:
+                results.append(self.append_now(stream, events, expected_version))
+            except EventStoreError as exc:
+                results.append(exc)
+        return results
 
     def append_now(
         self, stream: str, events: Sequence[NewEvent], expected_version: int

@@ -171,18 +171,46 @@ def _settle(future: asyncio.Future[T], error: BaseException | None, result: T) -
 
 
 @dataclass(slots=True, eq=False)
+class _Group:
+    """The appends of one append_many: one future for all of them, resolved by the last."""
+
+    future: asyncio.Future[None]
+    results: list[list[int] | EventStoreError]
+    waiting: int = 0
+
+    def settle(self, index: int, error: BaseException | None, positions: list[int]) -> None:
+        if self.future.done():
+            return
+        if error is None:
+            self.results[index] = positions
+        elif isinstance(error, EventStoreError):
+            self.results[index] = error
+        else:  # a bug, not a storage outcome: the caller sees it raised
+            self.future.set_exception(error)
+            return
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.future.set_result(None)
+
+
+@dataclass(slots=True, eq=False)
 class _Append:
     stream: str
     expected: int
     rows: list[_Row]
-    future: asyncio.Future[list[int]]
+    future: asyncio.Future[Any]
     positions: list[int] | None = None
     error: BaseException | None = None
     wrote: bool = False
+    group: _Group | None = None  # set when this append is one of an append_many
+    index: int = 0
 
     def settle(self) -> None:
         assert self.error is not None or self.positions is not None
-        _settle(self.future, self.error, self.positions or [])
+        if self.group is None:
+            _settle(self.future, self.error, self.positions or [])
+        else:
+            self.group.settle(self.index, self.error, self.positions or [])
 
 
 @dataclass(slots=True, eq=False)
@@ -392,9 +420,43 @@ class SqliteEventStore:
         if not events:
             return []
         _check_storable(events)
+        future: asyncio.Future[list[int]] = self._loop.create_future()
+        self._enqueue(_Append(stream, expected_version, self._rows(stream, events), future))
+        return await future
+
+    async def append_many(
+        self, appends: Sequence[tuple[str, Sequence[NewEvent], int]]
+    ) -> list[list[int] | EventStoreError]:
+        if self._closing:
+            raise StoreClosed()
+        results: list[list[int] | EventStoreError] = [[] for _ in appends]
+        group = _Group(self._loop.create_future(), results)
+        jobs: list[_Append] = []
+        for index, (stream, events, expected_version) in enumerate(appends):
+            try:
+                check_batch(stream, events, expected_version)
+                _check_storable(events)
+            except EventStoreError as exc:
+                results[index] = exc
+                continue
+            if events:
+                rows = self._rows(stream, events)
+                jobs.append(
+                    _Append(stream, expected_version, rows, group.future, group=group, index=index)
+                )
+        if not jobs:
+            return results
+        group.waiting = len(jobs)
+        self._pending.extend(jobs)
+        self._schedule_dispatch()
+        await group.future
+        return results
+
+    @staticmethod
+    def _rows(stream: str, events: Sequence[NewEvent]) -> list[_Row]:
         # Rows are built here so the writer thread, through which every write must pass, only
         # numbers and binds them.
-        rows: list[_Row] = [
+        return [
             [
                 0,
                 e.event_id,
@@ -408,9 +470,6 @@ class SqliteEventStore:
             ]
             for e in events
         ]
-        future: asyncio.Future[list[int]] = self._loop.create_future()
-        self._enqueue(_Append(stream, expected_version, rows, future))
-        return await future
 
     async def save_snapshot(self, snapshot: Snapshot) -> None:
         if self._closing:

@@ -8,6 +8,7 @@ from typing import Protocol, runtime_checkable
 import msgspec
 
 from .envelope import Envelope, NewEvent
+from .errors import EventStoreError
 
 NO_STREAM = 0
 """Expected version for a stream that must not exist yet."""
@@ -33,6 +34,19 @@ class EventStore(Protocol):
 
         Raises ConcurrencyConflict when the stream is not at `expected_version`. Re-appending
         events whose ids are already stored returns their positions and writes nothing.
+        """
+        ...
+
+    async def append_many(
+        self, appends: Sequence[tuple[str, Sequence[NewEvent], int]]
+    ) -> list[list[int] | EventStoreError]:
+        """Several independent appends, each `(stream, events, expected_version)`, submitted
+        together: each is atomic and checked exactly as `append` checks it, and none waits for
+        another's outcome. Returns, in order, each one's positions or the error `append` would
+        have raised for it. Raises only what fails them all (StoreClosed).
+
+        One trip to the writer for many streams: the controller records a turn of the loop's
+        heartbeats this way instead of paying an append (and a wake-up) per node.
         """
         ...
 

@@ -75,9 +75,16 @@ def tunnel(node_id: str) -> str:
 
 
 def event(stream: str) -> str:
-    """`node/gpu-1` -> `gpumesh.v1.events.node.gpu-1`."""
+    """`node/gpu-1` -> `gpumesh.v1.events.node.gpu-1`.
+
+    A node's heartbeats (stream `heartbeat/gpu-1`) are published on its node subject, as they
+    were before they had a stream of their own: `events.node.gpu-1` still carries everything
+    about the node, and the envelope's `stream` tells the two apart.
+    """
     check_stream(stream)
     kind, _, ident = stream.partition("/")
+    if kind == "heartbeat":
+        kind = "node"
     return f"{PREFIX}.events.{kind}.{ident}"
 
 

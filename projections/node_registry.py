@@ -29,7 +29,6 @@ def apply(state: NodeRegistry, envelope: Envelope) -> NodeRegistry:
                 view.metrics = hb.gpus
                 view.probe_error = hb.probe_error
                 view.running = hb.running
-                view.version = envelope.version
         case NodeRegistered() as reg:
             previous = state.nodes.get(reg.node_id)
             state.nodes[reg.node_id] = NodeView(

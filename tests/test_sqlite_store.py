@@ -19,6 +19,7 @@ from events import (
     Envelope,
     InvalidAppend,
     NewEvent,
+    NodeDrained,
     NodeHeartbeat,
     NodeRegistered,
     Snapshot,
@@ -33,6 +34,11 @@ from tests.factories import EventMaker
 
 def hb(node: str, seq: int) -> NodeHeartbeat:
     return NodeHeartbeat(node_id=node, seq=seq)
+
+
+def note(node: str, seq: int) -> NodeDrained:
+    """Any event of a node's own stream (heartbeats have a stream of their own)."""
+    return NodeDrained(node_id=node, reason=f"note {seq}")
 
 
 @pytest.fixture
@@ -66,10 +72,10 @@ def raw_insert(path: Path, rows: list[tuple[Any, ...]]) -> None:
 async def test_reopen_resumes_positions_versions_and_snapshots(db_path: Path) -> None:
     make = EventMaker()
     store = await SqliteEventStore.open(db_path)
-    await store.append("node/a", [make(NodeRegistered(node_id="a")), make(hb("a", 1))], NO_STREAM)
+    await store.append("node/a", [make(NodeRegistered(node_id="a")), make(note("a", 1))], NO_STREAM)
     await store.append("node/b", [make(NodeRegistered(node_id="b"))], NO_STREAM)
     await store.save_snapshot(Snapshot(stream="node/a", version=2, schema="s1", state=b"st"))
-    retry = make(hb("a", 2))
+    retry = make(note("a", 2))
     assert await store.append("node/a", [retry], 2) == [4]
     await store.close()
 
@@ -77,10 +83,10 @@ async def test_reopen_resumes_positions_versions_and_snapshots(db_path: Path) ->
     try:
         assert await store.head() == 4
         assert await store.stream_version("node/a") == 3
-        assert await store.append("node/a", [make(hb("a", 3))], 3) == [5]
+        assert await store.append("node/a", [make(note("a", 3))], 3) == [5]
         assert await store.append("node/c", [make(NodeRegistered(node_id="c"))], NO_STREAM) == [6]
         with pytest.raises(ConcurrencyConflict) as info:
-            await store.append("node/b", [make(hb("b", 1))], NO_STREAM)
+            await store.append("node/b", [make(note("b", 1))], NO_STREAM)
         assert info.value.actual == 1
         # Dedup is permanent: a retry after a restart still finds its stored position.
         assert await store.append("node/a", [retry], 2) == [4]
@@ -154,7 +160,7 @@ async def test_damaged_rows_come_back_undecodable_in_place(db_path: Path) -> Non
         assert [e.position for e in seen] == [2, 3, 4]
 
         # Appends continue after the damaged rows.
-        assert await store.append("node/a", [make(hb("a", 9))], 4) == [5]
+        assert await store.append("node/a", [make(note("a", 9))], 4) == [5]
     finally:
         await store.close()
 
@@ -247,7 +253,7 @@ async def test_a_bad_append_fails_alone_in_its_batch(store: SqliteEventStore) ->
         store.append("node/x", [make(NodeRegistered(node_id="x"))], NO_STREAM),  # loses
         store.append("node/y", [make(NodeRegistered(node_id="y"))], 3),  # wrong version
         store.append("node/thief", [stolen], NO_STREAM),  # id already used elsewhere
-        store.append("node/z", [make(NodeRegistered(node_id="z")), make(hb("z", 1))], NO_STREAM),
+        store.append("node/z", [make(NodeRegistered(node_id="z")), make(note("z", 1))], NO_STREAM),
         return_exceptions=True,
     )
     assert results[0] == [2]
@@ -266,7 +272,7 @@ async def test_retry_racing_its_original_in_one_batch_writes_once(
     store: SqliteEventStore,
 ) -> None:
     make = EventMaker()
-    batch = [make(NodeRegistered(node_id="a")), make(hb("a", 1))]
+    batch = [make(NodeRegistered(node_id="a")), make(note("a", 1))]
     first, second = await asyncio.gather(
         store.append("node/a", batch, NO_STREAM), store.append("node/a", batch, NO_STREAM)
     )
@@ -311,14 +317,14 @@ async def test_a_job_sqlite_cannot_bind_fails_alone_in_its_batch(store: SqliteEv
 async def test_numbers_beyond_64_bits_are_refused_or_clamped(store: SqliteEventStore) -> None:
     make = EventMaker()
     with pytest.raises(InvalidAppend, match="64-bit"):
-        await store.append("node/a", [make(hb("a", 0), at_ns=2**63)], NO_STREAM)
+        await store.append("node/a", [make(note("a", 0), at_ns=2**63)], NO_STREAM)
     with pytest.raises(InvalidAppend, match="64-bit"):
         await store.save_snapshot(Snapshot(stream="node/a", version=2**64, schema="s", state=b""))
-    await store.append("node/a", [make(hb("a", 0)), make(hb("a", 1))], NO_STREAM)
+    await store.append("heartbeat/a", [make(hb("a", 0)), make(hb("a", 1))], NO_STREAM)
     assert await store.compact_heartbeats(2**70) == 1
     assert await store.read_all(2**70, 2**70) == []
     assert [e.version for e in await store.read_all(-(2**70), 2**70)] == [2]
-    assert await store.read_stream("node/a", 2**70) == []
+    assert await store.read_stream("heartbeat/a", 2**70) == []
 
 
 async def test_rows_written_behind_the_writers_back_are_caught(
@@ -330,13 +336,13 @@ async def test_rows_written_behind_the_writers_back_are_caught(
     await store.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
     raw_insert(db_path, [(2, "foreign", "node/a", 2, "node.heartbeat.v1", 1, "", "", b"{}")])
     results = await asyncio.gather(
-        store.append("node/a", [make(hb("a", 1))], 1),
+        store.append("node/a", [make(note("a", 1))], 1),
         store.append("node/b", [make(NodeRegistered(node_id="b"))], NO_STREAM),
         return_exceptions=True,
     )
     assert isinstance(results[0], ConcurrencyConflict) and results[0].actual == 2
     assert results[1] == [3]
-    assert await store.append("node/a", [make(hb("a", 1))], 2) == [4]
+    assert await store.append("node/a", [make(note("a", 1))], 2) == [4]
 
 
 @pytest.mark.parametrize(("mode", "code"), [("FULL", 2), ("NORMAL", 1), ("off", 0)])
@@ -380,7 +386,7 @@ async def test_sqlite_calls_never_run_on_the_loop_thread(
     make = EventMaker()
     store = await SqliteEventStore.open(db_path)
     try:
-        await store.append("node/a", [make(hb("a", 0))], NO_STREAM)
+        await store.append("node/a", [make(note("a", 0))], NO_STREAM)
         await store.save_snapshot(Snapshot(stream="node/a", version=1, schema="s", state=b""))
         await store.compact_heartbeats(0)
         await store.read_all()
@@ -443,7 +449,7 @@ async def test_read_all_returns_large_pages_in_order(store: SqliteEventStore) ->
     make = EventMaker()
     await asyncio.gather(
         *(
-            store.append(f"node/n{i}", [make(hb(f"n{i}", j)) for j in range(50)], NO_STREAM)
+            store.append(f"node/n{i}", [make(note(f"n{i}", j)) for j in range(50)], NO_STREAM)
             for i in range(100)
         )
     )
@@ -461,9 +467,9 @@ async def test_recent_commits_read_back_as_the_file_holds_them(
     make = EventMaker()
     await store.append("node/a", [make(NodeRegistered(node_id="a", region="eu"))], NO_STREAM)
     await asyncio.gather(
-        *(store.append(f"node/n{i}", [make(hb(f"n{i}", 1))], NO_STREAM) for i in range(20))
+        *(store.append(f"node/n{i}", [make(note(f"n{i}", 1))], NO_STREAM) for i in range(20))
     )
-    await store.append("node/a", [make(hb("a", 1)), make(hb("a", 2))], 1)
+    await store.append("node/a", [make(note("a", 1)), make(note("a", 2))], 1)
     fresh = await SqliteEventStore.open(db_path)
     try:
         for start in (1, 2, 21, 23, 24):
@@ -478,20 +484,20 @@ async def test_a_second_writer_leaves_no_hole_in_what_subscribers_read(
     """Another writer on the file puts rows between this store's commits; the events this
     store keeps in memory then have a gap, and a reader must get those rows from the file."""
     make = EventMaker()
-    await store.append("node/a", [make(NodeRegistered(node_id="a")), make(hb("a", 1))], NO_STREAM)
+    await store.append("node/a", [make(NodeRegistered(node_id="a")), make(note("a", 1))], NO_STREAM)
     other = await SqliteEventStore.open(db_path)
     try:
         assert await other.append("node/b", [make(NodeRegistered(node_id="b"))], NO_STREAM) == [3]
     finally:
         await other.close()
-    assert await store.append("node/a", [make(hb("a", 2))], 2) == [4]
+    assert await store.append("node/a", [make(note("a", 2))], 2) == [4]
     assert [e.stream for e in await store.read_all(1, 10)] == ["node/a"] * 2 + ["node/b", "node/a"]
     assert [e.position for e in await store.read_all(3, 10)] == [3, 4]
 
 
 async def test_compaction_is_seen_by_readers_at_the_head(store: SqliteEventStore) -> None:
     make = EventMaker(step_ns=1_000_000_000)
-    await store.append("node/a", [make(hb("a", i)) for i in range(5)], NO_STREAM)
+    await store.append("heartbeat/a", [make(hb("a", i)) for i in range(5)], NO_STREAM)
     assert await store.compact_heartbeats(make.now_ns + 1) == 4
     assert [e.position for e in await store.read_all(1, 10)] == [5]
 
@@ -499,13 +505,13 @@ async def test_compaction_is_seen_by_readers_at_the_head(store: SqliteEventStore
 async def test_compaction_survives_reopen(db_path: Path) -> None:
     make = EventMaker(step_ns=1_000_000_000)
     store = await SqliteEventStore.open(db_path)
-    await store.append("node/a", [make(hb("a", i)) for i in range(10)], NO_STREAM)
+    await store.append("heartbeat/a", [make(hb("a", i)) for i in range(10)], NO_STREAM)
     assert await store.compact_heartbeats(make.now_ns + 1) == 9
     await store.close()
     store = await SqliteEventStore.open(db_path)
     try:
-        assert [e.version for e in await store.read_stream("node/a")] == [10]
-        assert await store.append("node/a", [make(hb("a", 10))], 10) == [11]
+        assert [e.version for e in await store.read_stream("heartbeat/a")] == [10]
+        assert await store.append("heartbeat/a", [make(hb("a", 10))], 10) == [11]
     finally:
         await store.close()
 
@@ -513,3 +519,43 @@ async def test_compaction_survives_reopen(db_path: Path) -> None:
 async def test_storage_errors_are_translated(tmp_path: Path) -> None:
     with pytest.raises(StoreIOError, match="unable to open"):
         await SqliteEventStore.open(tmp_path)  # a directory, not a file
+
+
+async def test_append_many_is_one_transaction_for_many_streams(db_path: Path) -> None:
+    """The point of append_many: a turn's heartbeats from 500 nodes cost one commit, and more
+    than a batch's worth still all commit, in order."""
+    store = await SqliteEventStore.open(db_path, max_batch=1000)
+    try:
+        make = EventMaker()
+        before = store.stats.transactions
+        results = await store.append_many(
+            [(f"heartbeat/n{i}", [make(hb(f"n{i}", 1))], NO_STREAM) for i in range(500)]
+        )
+        assert store.stats.transactions - before == 1
+        assert results == [[i] for i in range(1, 501)]
+        results = await store.append_many(
+            [(f"heartbeat/m{i}", [make(hb(f"m{i}", 1))], NO_STREAM) for i in range(2500)]
+        )
+        assert results == [[i] for i in range(501, 3001)]
+        assert await store.head() == 3000
+    finally:
+        await store.close()
+
+
+async def test_append_many_reports_storage_errors_per_append(db_path: Path) -> None:
+    store = await SqliteEventStore.open(db_path)
+    try:
+        make = EventMaker()
+        await store.run_on_writer(
+            lambda conn: conn.execute(
+                "PRAGMA max_page_count = " + str(conn.execute("PRAGMA page_count").fetchone()[0])
+            )
+        )
+        big = "x" * 200_000  # more than the file's free pages can take
+        results = await store.append_many(
+            [("node/a", [make(NodeRegistered(node_id="a", hostname=big))], NO_STREAM)]
+        )
+        assert isinstance(results[0], StoreFull)
+        assert await store.head() == 0
+    finally:
+        await store.close()

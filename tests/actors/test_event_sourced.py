@@ -18,7 +18,7 @@ from events import (
     EventStore,
     MemoryEventStore,
     NewEvent,
-    NodeHeartbeat,
+    NodeDrained,
     NodeRegistered,
     Snapshot,
     Undecodable,
@@ -68,8 +68,8 @@ class Node(EventSourcedActor[Command, NodeState]):
         match payload:
             case NodeRegistered(hostname=hostname):
                 return msgspec.structs.replace(state, registered=True, hostname=hostname)
-            case NodeHeartbeat(seq=seq):
-                return msgspec.structs.replace(state, beats=state.beats + 1, last_seq=seq)
+            case NodeDrained(reason=seq):  # a beat, as any node-stream event of its own can be
+                return msgspec.structs.replace(state, beats=state.beats + 1, last_seq=int(seq))
         return state
 
     async def handle(self, ctx: ActorContext[Command], msg: Command) -> object:
@@ -77,7 +77,7 @@ class Node(EventSourcedActor[Command, NodeState]):
             case Register(hostname=hostname):
                 await self.persist(ctx, [NodeRegistered(node_id="n1", hostname=hostname)])
             case Beat(seq=seq, count=count):
-                beats = [NodeHeartbeat(node_id="n1", seq=seq + i) for i in range(count)]
+                beats = [NodeDrained(node_id="n1", reason=str(seq + i)) for i in range(count)]
                 await self.persist(ctx, beats, causation_id=f"beat-{seq}")
             case Get():
                 pass
@@ -169,7 +169,7 @@ async def test_persisted_events_are_in_the_store_and_folded_into_state(
     assert version == 5
     stored = await store.read_stream(STREAM)
     assert [e.version for e in stored] == [1, 2, 3, 4, 5]
-    assert [e.type for e in stored][:2] == ["node.registered.v1", "node.heartbeat.v1"]
+    assert [e.type for e in stored][:2] == ["node.registered.v1", "node.drained.v1"]
     assert stored[1].causation_id == "beat-0"
     assert all(e.recorded_at > 0 for e in stored)
 
@@ -251,7 +251,7 @@ async def test_a_conflict_reloads_the_state_and_reraises(env: Env, store: Memory
         ref = await system.spawn(Node, "node")
         await ref.ask(Register("gpu-host-1"))
         # Another writer appends behind the actor's back.
-        rival = env.new_event(NodeHeartbeat(node_id="n1", seq=100))
+        rival = env.new_event(NodeDrained(node_id="n1", reason="100"))
         await store.append(STREAM, [rival], expected_version=1)
         with pytest.raises(ConcurrencyConflict) as info:
             await ref.ask(Beat(0))

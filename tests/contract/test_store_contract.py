@@ -14,6 +14,7 @@ from events import (
     Envelope,
     EventStore,
     InvalidAppend,
+    NodeDrained,
     NodeHealthChanged,
     NodeHeartbeat,
     NodeRegistered,
@@ -27,9 +28,14 @@ def hb(node: str, seq: int) -> NodeHeartbeat:
     return NodeHeartbeat(node_id=node, seq=seq)
 
 
+def note(node: str, seq: int) -> NodeDrained:
+    """Any event of a node's own stream (heartbeats have a stream of their own)."""
+    return NodeDrained(node_id=node, reason=f"note {seq}")
+
+
 async def test_first_append_assigns_versions_and_positions(store: EventStore) -> None:
     make = EventMaker()
-    batch = [make(NodeRegistered(node_id="a")), make(hb("a", 1))]
+    batch = [make(NodeRegistered(node_id="a")), make(note("a", 1))]
     positions = await store.append("node/a", batch, NO_STREAM)
     assert positions == [1, 2]
     read = await store.read_stream("node/a")
@@ -37,7 +43,7 @@ async def test_first_append_assigns_versions_and_positions(store: EventStore) ->
     assert [e.position for e in read] == [1, 2]
     assert [e.event_id for e in read] == [e.event_id for e in batch]
     assert read[0].type == "node.registered.v1"
-    assert read[1].payload == hb("a", 1)
+    assert read[1].payload == note("a", 1)
     assert read[0].recorded_at == batch[0].recorded_at
     assert read[0].correlation_id == batch[0].correlation_id
     assert await store.stream_version("node/a") == 2
@@ -49,10 +55,10 @@ async def test_wrong_expected_version_raises_conflict_with_details(store: EventS
     make = EventMaker()
     await store.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
     with pytest.raises(ConcurrencyConflict) as info:
-        await store.append("node/a", [make(hb("a", 1))], 5)
+        await store.append("node/a", [make(note("a", 1))], 5)
     assert (info.value.stream, info.value.expected, info.value.actual) == ("node/a", 5, 1)
     with pytest.raises(ConcurrencyConflict) as info:
-        await store.append("node/a", [make(hb("a", 1))], NO_STREAM)
+        await store.append("node/a", [make(note("a", 1))], NO_STREAM)
     assert info.value.actual == 1
     assert await store.head() == 1
 
@@ -60,13 +66,13 @@ async def test_wrong_expected_version_raises_conflict_with_details(store: EventS
 async def test_any_skips_the_version_check(store: EventStore) -> None:
     make = EventMaker()
     await store.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
-    await store.append("node/a", [make(hb("a", 1))], ANY)
+    await store.append("node/a", [make(note("a", 1))], ANY)
     assert await store.stream_version("node/a") == 2
 
 
 async def test_retried_append_is_a_no_op(store: EventStore) -> None:
     make = EventMaker()
-    batch = [make(NodeRegistered(node_id="a")), make(hb("a", 1))]
+    batch = [make(NodeRegistered(node_id="a")), make(note("a", 1))]
     first = await store.append("node/a", batch, NO_STREAM)
     await store.append("node/b", [make(NodeRegistered(node_id="b"))], NO_STREAM)
     again = await store.append("node/a", batch, NO_STREAM)
@@ -92,9 +98,9 @@ async def test_event_id_reused_in_another_stream_is_refused(store: EventStore) -
 async def test_event_for_another_stream_is_refused(store: EventStore) -> None:
     make = EventMaker()
     with pytest.raises(InvalidAppend, match="belongs to stream 'node/b'"):
-        await store.append("node/a", [make(hb("b", 1))], NO_STREAM)
+        await store.append("node/a", [make(note("b", 1))], NO_STREAM)
     with pytest.raises(InvalidAppend):
-        await store.append("node/a.b", [make(hb("a.b", 1))], NO_STREAM)
+        await store.append("node/a.b", [make(note("a.b", 1))], NO_STREAM)
     assert await store.head() == 0
 
 
@@ -105,7 +111,7 @@ async def test_empty_append_writes_nothing(store: EventStore) -> None:
 
 async def test_read_stream_from_version(store: EventStore) -> None:
     make = EventMaker()
-    await store.append("node/a", [make(hb("a", i)) for i in range(5)], NO_STREAM)
+    await store.append("node/a", [make(note("a", i)) for i in range(5)], NO_STREAM)
     tail = await store.read_stream("node/a", from_version=4)
     assert [e.version for e in tail] == [4, 5]
     assert await store.read_stream("node/missing") == []
@@ -115,8 +121,8 @@ async def test_read_all_pages_in_commit_order(store: EventStore) -> None:
     make = EventMaker()
     for i in range(10):
         node = f"n{i % 3}"
-        version = await store.stream_version(f"node/{node}")
-        await store.append(f"node/{node}", [make(hb(node, i))], version)
+        version = await store.stream_version(f"heartbeat/{node}")
+        await store.append(f"heartbeat/{node}", [make(hb(node, i))], version)
     page1 = await store.read_all(1, 4)
     page2 = await store.read_all(page1[-1].position + 1, 4)
     page3 = await store.read_all(page2[-1].position + 1, 4)
@@ -131,7 +137,7 @@ async def test_read_all_pages_in_commit_order(store: EventStore) -> None:
 async def test_concurrent_writers_on_one_stream_exactly_one_wins(store: EventStore) -> None:
     make = EventMaker()
     await store.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
-    attempts = [store.append("node/a", [make(hb("a", i))], 1) for i in range(20)]
+    attempts = [store.append("node/a", [make(note("a", i))], 1) for i in range(20)]
     results = await asyncio.gather(*attempts, return_exceptions=True)
     winners = [r for r in results if isinstance(r, list)]
     losers = [r for r in results if isinstance(r, ConcurrencyConflict)]
@@ -145,7 +151,7 @@ async def test_concurrent_writers_on_many_streams_all_commit_gaplessly(store: Ev
     make = EventMaker()
     appends = [
         store.append(
-            f"node/n{i}", [make(NodeRegistered(node_id=f"n{i}")), make(hb(f"n{i}", 0))], NO_STREAM
+            f"node/n{i}", [make(NodeRegistered(node_id=f"n{i}")), make(note(f"n{i}", 0))], NO_STREAM
         )
         for i in range(200)
     ]
@@ -161,7 +167,7 @@ async def test_subscribe_catches_up_then_follows_live_without_gap_or_duplicate(
 ) -> None:
     make = EventMaker()
     for i in range(30):
-        await store.append("node/a", [make(hb("a", i))], i)
+        await store.append("node/a", [make(note("a", i))], i)
     seen: list[Envelope] = []
     enough = asyncio.Event()
 
@@ -174,7 +180,7 @@ async def test_subscribe_catches_up_then_follows_live_without_gap_or_duplicate(
 
     async def produce() -> None:
         for i in range(30, 80):
-            await store.append("node/a", [make(hb("a", i))], i)
+            await store.append("node/a", [make(note("a", i))], i)
             if i % 7 == 0:
                 await asyncio.sleep(0)
 
@@ -187,7 +193,7 @@ async def test_subscribe_catches_up_then_follows_live_without_gap_or_duplicate(
 
 async def test_subscription_ends_when_the_store_closes(store: EventStore) -> None:
     make = EventMaker()
-    await store.append("node/a", [make(hb("a", 0))], NO_STREAM)
+    await store.append("node/a", [make(note("a", 0))], NO_STREAM)
     got: list[int] = []
     first = asyncio.Event()
 
@@ -202,32 +208,32 @@ async def test_subscription_ends_when_the_store_closes(store: EventStore) -> Non
     await asyncio.wait_for(task, timeout=5)
     assert got == [1]
     with pytest.raises(StoreClosed):
-        await store.append("node/a", [make(hb("a", 1))], 1)
+        await store.append("node/a", [make(note("a", 1))], 1)
 
 
 async def test_heartbeat_compaction_keeps_latest_and_other_events(store: EventStore) -> None:
     make = EventMaker(step_ns=1_000_000_000)
     await store.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
-    await store.append("node/a", [make(hb("a", i)) for i in range(5)], 1)
+    await store.append("heartbeat/a", [make(hb("a", i)) for i in range(5)], NO_STREAM)
     await store.append(
-        "node/a", [make(NodeHealthChanged(node_id="a", state="degraded", reason="thermal"))], 6
+        "node/a", [make(NodeHealthChanged(node_id="a", state="degraded", reason="thermal"))], 1
     )
-    await store.append("node/a", [make(hb("a", 5))], 7)
-    await store.append("node/b", [make(hb("b", 0))], NO_STREAM)
+    await store.append("heartbeat/a", [make(hb("a", 5))], 5)
+    await store.append("heartbeat/b", [make(hb("b", 0))], NO_STREAM)
     cutoff = make.now_ns + 1  # everything is old enough
     removed = await store.compact_heartbeats(cutoff)
     assert removed == 5
-    remaining = await store.read_stream("node/a")
-    assert [e.type for e in remaining] == [
+    assert [e.type for e in await store.read_stream("node/a")] == [
         "node.registered.v1",
         "node.health_changed.v1",
-        "node.heartbeat.v1",
     ]
-    assert remaining[-1].payload == hb("a", 5)
-    assert [e.type for e in await store.read_stream("node/b")] == ["node.heartbeat.v1"]
-    assert await store.stream_version("node/a") == 8
+    remaining = await store.read_stream("heartbeat/a")
+    assert [e.payload for e in remaining] == [hb("a", 5)]
+    assert remaining[0].version == 6
+    assert [e.type for e in await store.read_stream("heartbeat/b")] == ["node.heartbeat.v1"]
+    assert await store.stream_version("heartbeat/a") == 6
     # Appends continue at the right version after compaction.
-    await store.append("node/a", [make(hb("a", 6))], 8)
+    await store.append("heartbeat/a", [make(hb("a", 6))], 6)
     # hb 5 is no longer the latest and is older than the cutoff; hb 6 is newer than it.
     assert await store.compact_heartbeats(cutoff) == 1
     assert await store.compact_heartbeats(cutoff) == 0
@@ -235,11 +241,11 @@ async def test_heartbeat_compaction_keeps_latest_and_other_events(store: EventSt
 
 async def test_compaction_respects_the_age_cutoff(store: EventStore) -> None:
     make = EventMaker(step_ns=1_000_000_000)
-    await store.append("node/a", [make(hb("a", i)) for i in range(10)], NO_STREAM)
-    events = await store.read_stream("node/a")
+    await store.append("heartbeat/a", [make(hb("a", i)) for i in range(10)], NO_STREAM)
+    events = await store.read_stream("heartbeat/a")
     cutoff = events[4].recorded_at  # the first four are older than the cutoff
     assert await store.compact_heartbeats(cutoff) == 4
-    assert [e.version for e in await store.read_stream("node/a")] == list(range(5, 11))
+    assert [e.version for e in await store.read_stream("heartbeat/a")] == list(range(5, 11))
 
 
 async def test_snapshots_round_trip_and_latest_wins(store: EventStore) -> None:
@@ -254,7 +260,7 @@ async def test_queued_appends_to_one_stream_apply_in_call_order(store: EventStor
     """Appends issued back to back with consecutive versions all commit, even in one batch."""
     make = EventMaker()
     results = await asyncio.gather(
-        *(store.append("node/a", [make(hb("a", i))], i) for i in range(50))
+        *(store.append("node/a", [make(note("a", i))], i) for i in range(50))
     )
     assert [r[0] for r in results] == list(range(1, 51))
     assert await store.stream_version("node/a") == 50
@@ -281,9 +287,9 @@ async def test_read_for_rebuild_folds_to_the_same_state(store: EventStore) -> No
                 appended = True
                 # A heartbeat committed mid-rebuild is newer than any "latest" seen so far.
                 await store.append(
-                    "node/node-00000",
+                    "heartbeat/node-00000",
                     [EventMaker(seed=9)(hb("node-00000", 999))],
-                    await store.stream_version("node/node-00000"),
+                    await store.stream_version("heartbeat/node-00000"),
                 )
         return state
 
@@ -292,3 +298,61 @@ async def test_read_for_rebuild_folds_to_the_same_state(store: EventStore) -> No
     assert fast.nodes.nodes["node-00000"].last_heartbeat_seq == 999
     kept = await store.read_for_rebuild(1, 10_000)
     assert len(kept) < await store.head()
+
+
+async def test_append_many_appends_each_as_append_would(store: EventStore) -> None:
+    make = EventMaker()
+    await store.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
+    beats_a = [make(hb("a", 1)), make(hb("a", 2))]
+    beat_b = make(hb("b", 1))
+    results = await store.append_many(
+        [("heartbeat/a", beats_a, NO_STREAM), ("heartbeat/b", [beat_b], NO_STREAM)]
+    )
+    assert results == [[2, 3], [4]]
+    assert [e.event_id for e in await store.read_stream("heartbeat/a")] == [
+        e.event_id for e in beats_a
+    ]
+    assert await store.stream_version("heartbeat/b") == 1
+    assert await store.head() == 4
+    # A retry of what is stored writes nothing and returns the same positions.
+    assert await store.append_many([("heartbeat/b", [beat_b], NO_STREAM)]) == [[4]]
+    assert await store.head() == 4
+
+
+async def test_append_many_fails_one_append_without_the_others(store: EventStore) -> None:
+    make = EventMaker()
+    await store.append("heartbeat/a", [make(hb("a", 1))], NO_STREAM)
+    results = await store.append_many(
+        [
+            ("heartbeat/a", [make(hb("a", 2))], NO_STREAM),  # stale: a is at 1
+            ("heartbeat/b", [make(hb("b", 1))], NO_STREAM),
+            ("node/c", [make(hb("c", 1))], NO_STREAM),  # a heartbeat in a node stream
+            ("heartbeat/d", [], NO_STREAM),
+        ]
+    )
+    conflict, written, refused, empty = results
+    assert isinstance(conflict, ConcurrencyConflict)
+    assert (conflict.stream, conflict.expected, conflict.actual) == ("heartbeat/a", 0, 1)
+    assert written == [2]
+    assert isinstance(refused, InvalidAppend)
+    assert empty == []
+    assert await store.head() == 2
+    assert await store.stream_version("heartbeat/a") == 1
+
+
+async def test_append_many_in_call_order_for_one_stream(store: EventStore) -> None:
+    make = EventMaker()
+    results = await store.append_many(
+        [
+            ("heartbeat/a", [make(hb("a", 1))], NO_STREAM),
+            ("heartbeat/a", [make(hb("a", 2))], 1),
+        ]
+    )
+    assert results == [[1], [2]]
+    assert [e.payload for e in await store.read_stream("heartbeat/a")] == [hb("a", 1), hb("a", 2)]
+
+
+async def test_append_many_on_a_closed_store_raises(store: EventStore) -> None:
+    await store.close()
+    with pytest.raises(StoreClosed):
+        await store.append_many([("heartbeat/a", [EventMaker()(hb("a", 1))], NO_STREAM)])

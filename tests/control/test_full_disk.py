@@ -34,9 +34,8 @@ def test_a_full_disk_refuses_writes_serves_reads_and_recovers(tmp_path: Path) ->
                 await f.until(lambda: len(f.ready("llama")) == 1, within=10, why="1 ready")
                 await store.run_on_writer(_fill)
                 # Heartbeats keep coming; wait until a write has certainly been refused.
-                assert f.controller._system is not None
-                system = f.controller._system
-                await f.until(lambda: system.writes_refused > 0, within=5, why="refused")
+                dropped = f.controller.dropped
+                await f.until(lambda: dropped["heartbeat_store_error"] > 0, within=5, why="refused")
 
                 refused = await f.api("cluster.scale", {"name": "llama", "replicas": 2})
                 assert not refused.ok

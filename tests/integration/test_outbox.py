@@ -182,8 +182,12 @@ async def test_an_integrator_sees_only_node_events_with_a_wildcard(
 ) -> None:
     store = MemoryEventStore()
     await append(store, history(400))
-    node_events = [e for e in await store.read_all(1, 1000) if e.stream.startswith("node/")]
+    # A node's heartbeats (stream heartbeat/<id>) are published on its node subject too.
+    node_events = [
+        e for e in await store.read_all(1, 1000) if e.stream.startswith(("node/", "heartbeat/"))
+    ]
     assert 0 < len(node_events) < 400
+    assert any(e.stream.startswith("heartbeat/") for e in node_events)
 
     integrator = await connect("integrator")
     nodes = await integrator.subscribe("gpumesh.v1.events.node.*")

@@ -17,7 +17,7 @@ import msgspec
 import structlog
 
 from actors import Actor, ActorContext, ActorRef, ActorSystem, Env, EventSourcedActor
-from events import DomainEvent, MemoryEventStore, NodeHeartbeat, NodeRegistered
+from events import DomainEvent, MemoryEventStore, NodeDrained, NodeRegistered
 from sim import run_simulation, sim_env, stamp_sim_time
 
 NODES = {"gpu-c", "gpu-a", "gpu-d", "gpu-b", "gpu-e"}  # a set: iteration order varies by hash
@@ -54,7 +54,8 @@ class NodeAgent(EventSourcedActor[Tick, Counts]):
         return Counts()
 
     def evolve(self, state: Counts, payload: DomainEvent) -> Counts:
-        if isinstance(payload, NodeHeartbeat):
+        # A drain per beat: any node-stream event does (heartbeats have a stream of their own).
+        if isinstance(payload, NodeDrained):
             return Counts(beats=state.beats + 1)
         return state
 
@@ -72,7 +73,7 @@ class NodeAgent(EventSourcedActor[Tick, Counts]):
 
     async def handle(self, ctx: ActorContext[Tick], msg: Tick) -> object:
         seq = self.state.beats
-        await self.persist(ctx, [NodeHeartbeat(node_id=self.node, seq=seq)])
+        await self.persist(ctx, [NodeDrained(node_id=self.node, reason=f"beat {seq}")])
         now = asyncio.get_running_loop().time()
         self.trace.append(f"{now:10.3f} {self.node} beat={seq} id={ctx.env.new_id()}")
         await self.tracker.tell(Seen(self.node, seq, now))

@@ -1,0 +1,137 @@
+"""Heartbeats recorded in batches, outside the NodeActors' mailboxes.
+
+Every admitted heartbeat becomes a `node.heartbeat.v1` event in the node's `heartbeat/<id>`
+stream. The recorder takes them as the controller reads them and appends everything that
+arrived during one commit as one `append_many`: one trip to the store and one wake-up for a
+few hundred nodes, where a mailbox turn and a commit wake-up for each heartbeat cost a quarter
+of the controller's CPU per heartbeat (docs/performance.md, Heartbeat throughput).
+
+What a heartbeat means stays the NodeActor's decision. Two small tables, `NodeLiveness`, are
+all the two share: when each node was last heard from (written here, read by the NodeActor's
+silence watch) and the verdict each NodeActor holds (written by it, read by the controller to
+pass on only the heartbeats that could change that verdict).
+
+The recorder is the only writer of heartbeat streams in a controller and keeps their versions,
+so its appends are checked like any other: a second controller writing the same streams shows
+up as a conflict, counted and logged, not as an interleaving nobody noticed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from events import NodeHeartbeat, stream_name
+from events.envelope import NewEvent
+from events.errors import ConcurrencyConflict, EventStoreError
+from events.messages import Heartbeat
+from events.node import HealthState
+
+from .env import Env
+from .health import HealthPolicy, evaluate
+
+# Heartbeats waiting for a commit. The intake limiter bounds each node's rate, so this fills
+# only when the store stops taking writes; past it heartbeats are dropped, and counted.
+MAX_PENDING = 100_000
+
+# kind, how many heartbeats, a detail for the log.
+LossReport = Callable[[str, int, str], None]
+
+
+class NodeLiveness:
+    """When each node was last heard from, and the health verdict its NodeActor holds."""
+
+    def __init__(self) -> None:
+        self.last_heard: dict[str, float] = {}  # node id -> loop time; the controller writes
+        self.verdicts: dict[str, tuple[HealthState, str]] = {}  # node id -> (state, reason)
+
+    def heard(self, node_id: str, at: float) -> None:
+        self.last_heard[node_id] = at
+
+    def may_change_verdict(self, hb: Heartbeat, policy: HealthPolicy) -> bool:
+        """Whether the NodeActor must see this heartbeat: the verdict it implies differs from
+        the one the actor holds (or the actor has not said which it holds yet)."""
+        held = self.verdicts.get(hb.node_id)
+        if held is None:
+            return True
+        return verdict_changes(hb, held[0], held[1], policy)
+
+
+def verdict_changes(hb: Heartbeat, health: HealthState, reason: str, policy: HealthPolicy) -> bool:
+    """The NodeActor's rule for recording a health change, shared so both sides agree."""
+    verdict = evaluate(hb.gpus, hb.probe_error, health, reason, policy)
+    return verdict.state != health or (verdict.state != "healthy" and verdict.reason != reason)
+
+
+def heartbeat_event(hb: Heartbeat) -> NodeHeartbeat:
+    return NodeHeartbeat(
+        node_id=hb.node_id,
+        seq=hb.seq,
+        sent_at_ns=hb.sent_at_ns,
+        gpus=hb.gpus,
+        probe_error=hb.probe_error,
+        running=tuple(
+            f"{r.replica_id}@{r.epoch}" for r in hb.replicas if r.state in ("starting", "ready")
+        ),
+    )
+
+
+class HeartbeatRecorder:
+    def __init__(self, env: Env, lost: LossReport, *, max_pending: int = MAX_PENDING) -> None:
+        self._env = env
+        self._lost = lost
+        self._max_pending = max_pending
+        self._pending: list[Heartbeat] = []
+        self._wake = asyncio.Event()
+        self._versions: dict[str, int] = {}  # heartbeat stream -> its version, as we wrote it
+        self.recorded = 0
+
+    def offer(self, hb: Heartbeat) -> bool:
+        """Queue a heartbeat for the next commit; False when the backlog is full."""
+        if len(self._pending) >= self._max_pending:
+            return False
+        self._pending.append(hb)
+        self._wake.set()
+        return True
+
+    async def run(self) -> None:
+        """Record what is offered until cancelled; its owner (the controller) cancels it."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.record_pending()
+
+    async def record_pending(self) -> None:
+        """Record everything offered so far, including what arrives while it writes."""
+        while self._pending:
+            batch, self._pending = self._pending, []
+            await self._record(batch)
+
+    async def _record(self, batch: list[Heartbeat]) -> None:
+        env = self._env
+        by_stream: dict[str, list[NewEvent]] = {}  # insertion order: the order they came in
+        for hb in batch:
+            stream = stream_name("heartbeat", hb.node_id)
+            by_stream.setdefault(stream, []).append(env.new_event(heartbeat_event(hb)))
+        versions = self._versions
+        try:
+            for stream in by_stream:
+                if stream not in versions:  # first heartbeat since this controller started
+                    versions[stream] = await env.store.stream_version(stream)
+            results = await env.store.append_many(
+                [(stream, events, versions[stream]) for stream, events in by_stream.items()]
+            )
+        except EventStoreError as exc:
+            self._lost("store_error", len(batch), str(exc))
+            return
+        for (stream, events), result in zip(by_stream.items(), results, strict=True):
+            if isinstance(result, list):
+                versions[stream] += len(events)
+                self.recorded += len(events)
+            elif isinstance(result, ConcurrencyConflict):
+                # Someone else wrote this stream: go on from where it is now. These heartbeats
+                # are lost; the node's next one, a heartbeat interval away, is recorded.
+                versions[stream] = result.actual
+                self._lost("conflict", len(events), str(result))
+            else:
+                self._lost("store_error", len(events), str(result))
