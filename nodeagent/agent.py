@@ -8,6 +8,7 @@ the agent runs unchanged on the simulator's virtual-time loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Hashable
 from typing import Any, cast
 
@@ -119,6 +120,8 @@ class Agent:
         self._lease_seq = 0
         self._lease_until: float | None = None
         self._leased: frozenset[tuple[str, int]] = frozenset()
+        self._lease_changed = asyncio.Event()  # replaced after each new lease
+        self._last_sample: tuple[tuple[GpuMetrics, ...], str] = ((), "")
 
     @property
     def registered(self) -> bool:
@@ -254,7 +257,6 @@ class Agent:
             await asyncio.sleep(next_at - loop.time())
 
     async def _heartbeat_once(self) -> None:
-        self._seq += 1
         timeout = _PROBE_SHARE * self.heartbeat_interval
         gpus: tuple[GpuMetrics, ...] = ()
         error = ""
@@ -271,6 +273,11 @@ class Agent:
                 self._log.warning("gpu_probe_failing", error=error)
             else:
                 self._log.info("gpu_probe_recovered")
+        self._last_sample = (gpus, error)
+        await self._send_heartbeat(gpus, error)
+
+    async def _send_heartbeat(self, gpus: tuple[GpuMetrics, ...], error: str) -> None:
+        self._seq += 1  # here, not before the probe: a lease request may go out meanwhile
         beat = Heartbeat(
             node_id=self.config.node_id,
             seq=self._seq,
@@ -304,6 +311,34 @@ class Agent:
             self._lease_seq = ack.seq
             self._lease_until = sent + ack.lease_s
             self._leased = frozenset((r.replica_id, r.epoch) for r in ack.replicas)
+            changed, self._lease_changed = self._lease_changed, asyncio.Event()
+            changed.set()
+
+    async def wait_for_lease(self, replica_id: str, epoch: int) -> None:
+        """Until the lease covers `replica_id` at `epoch`, asking for a fresh one at once
+        rather than at the next heartbeat; at most two heartbeat intervals.
+
+        A workload that starts within a heartbeat interval would otherwise be reported ready,
+        and routed to, before the controller's next lease named it, and this node's own
+        fence would refuse the first requests. Giving up after the wait reports it ready
+        anyway: a controller that grants no lease is one we cannot wait for.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 2 * self.heartbeat_interval
+        # At most four requests an interval: a controller that answers at once without this
+        # replica must not be asked in a tight loop (its intake limit is four an interval).
+        slot = self.heartbeat_interval / 4
+        while self.fenced(replica_id, epoch) and loop.time() < deadline:
+            changed = self._lease_changed
+            next_ask = min(loop.time() + slot, deadline)
+            await self._send_heartbeat(*self._last_sample)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, next_ask - loop.time())):
+                    await changed.wait()
+            if self.fenced(replica_id, epoch):
+                await asyncio.sleep(max(0.0, next_ask - loop.time()))
+        if self.fenced(replica_id, epoch):
+            self._log.warning("ready_without_lease", replica=f"{replica_id}@{epoch}")
 
     def fenced(self, replica_id: str, epoch: int) -> str:
         """Why this node must not serve `replica_id` at `epoch` now ('' when it may). Until a
@@ -395,6 +430,7 @@ class Agent:
             config=self.config,
             publish=self._report,
             advertise=advertise,
+            leased=self.wait_for_lease,
         )
         self._runners[key] = runner
         self._tasks[key] = self._group.create_task(

@@ -20,6 +20,11 @@ from .config import AgentConfig
 from .workload.base import RunningWorkload, WorkloadDriver, WorkloadEnded, WorkloadStartError
 
 Publish = Callable[[ReplicaState], Awaitable[None]]
+LeaseWait = Callable[[str, int], Awaitable[None]]
+
+
+async def _no_lease_needed(replica_id: str, epoch: int) -> None:
+    return None
 
 
 class ReplicaRunner:
@@ -32,9 +37,11 @@ class ReplicaRunner:
         config: AgentConfig,
         publish: Publish,
         advertise: str = "",
+        leased: LeaseWait = _no_lease_needed,
     ) -> None:
         """`advertise`: the address to report instead of the workload's own (the node's
-        front, which fences it)."""
+        front, which fences it). `leased`: returns once the node's lease covers this replica
+        (or gives up waiting), so it is not reported ready while its node would refuse it."""
         self.key = (command.replica_id, command.epoch)
         self._advertise = advertise
         self._command = command
@@ -43,6 +50,7 @@ class ReplicaRunner:
         self._driver = driver
         self._config = config
         self._publish = publish
+        self._leased = leased
         self._port = command.port
         self._workload: RunningWorkload | None = None
         self._stop_grace_s = config.stop_grace_s
@@ -121,6 +129,9 @@ class ReplicaRunner:
         await self._set("starting", detail=detail)
         ended = await workload.wait_ready()
         if ended is None:
+            # Ready is when the controller starts routing here: not before this node's lease
+            # covers the replica, or the first requests would meet its own fence.
+            await self._leased(c.replica_id, c.epoch)
             await self._set("ready")
             ended = await workload.wait_ended()
         # After a readiness timeout or a failed liveness probe it may still run: end it first.

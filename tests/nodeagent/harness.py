@@ -17,8 +17,10 @@ from events.messages import (
     Fault,
     FaultReply,
     Heartbeat,
+    HeartbeatAck,
     Register,
     RegisterReply,
+    ReplicaLease,
     ReplicaReport,
     ReplicaState,
     StartReplica,
@@ -97,6 +99,8 @@ class Harness:
         self.agent = Agent(self.env, self.commands, self.probe, self.workloads, self.config)
         self.registrations: list[tuple[float, Register]] = []
         self.reply = RegisterReply(accepted=True, heartbeat_interval_s=1.0)
+        self.leased: set[tuple[str, int]] = set()  # what grant_leases() names in each ack
+        self.lease_acks: list[tuple[float, int]] = []  # (when, heartbeat seq) of each ack
 
     @asynccontextmanager
     async def running(self, *, controller: bool = True) -> AsyncIterator[Harness]:
@@ -126,6 +130,27 @@ class Harness:
             async for msg in sub:
                 self.registrations.append((asyncio.get_running_loop().time(), decode(msg.data)))
                 await self.bus.publish(msg.reply, msgspec.json.encode(self.reply))
+        finally:
+            await sub.unsubscribe()
+
+    def grant_leases(self) -> None:
+        """Answer every heartbeat's lease request, naming the replicas in `self.leased`."""
+        self.tasks.append(self.group.create_task(self._leases(), name="leases"))
+
+    async def _leases(self) -> None:
+        sub = await self.bus.subscribe(subjects.HEARTBEAT_ALL)
+        decode = msgspec.json.Decoder(Heartbeat).decode
+        try:
+            async for msg in sub:
+                beat = decode(msg.data)
+                self.lease_acks.append((asyncio.get_running_loop().time(), beat.seq))
+                ack = HeartbeatAck(
+                    node_id=beat.node_id,
+                    seq=beat.seq,
+                    lease_s=10.0,
+                    replicas=tuple(ReplicaLease(replica_id=r, epoch=e) for r, e in self.leased),
+                )
+                await self.bus.publish(msg.reply, msgspec.json.encode(ack))
         finally:
             await sub.unsubscribe()
 

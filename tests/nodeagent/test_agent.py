@@ -210,6 +210,49 @@ def test_start_reports_starting_then_ready_with_the_address() -> None:
     simulate(scenario())
 
 
+def test_a_replica_is_ready_only_once_the_lease_covers_it() -> None:
+    """Ready is when routing starts: a node that would refuse the replica (its lease from
+    before the placement) asks for a fresh lease at once and reports ready after it."""
+
+    async def scenario() -> None:
+        h = Harness()
+        async with h.running():
+            h.grant_leases()
+            await wait_until(lambda: h.agent.fenced("r1", 2) != "")  # a first lease, without r1
+            await h.send(start("r1", 2))
+            await h.reports.until(lambda r: r.state == "starting")
+            loop = asyncio.get_running_loop()
+            await asyncio.sleep(0.3)  # the workload is ready at once; its lease has not come
+            assert h.agent.fenced("r1", 2)
+            assert h.agent.replicas()[0].state == "starting"  # heartbeats say starting too
+            asked_at = loop.time()
+            h.leased.add(("r1", 2))
+            (ready,) = await h.reports.until(lambda r: r.state == "ready")
+            assert h.agent.fenced("r1", 2) == ""
+        # Asked for at once (not at the next heartbeat, up to an interval away): an ack within
+        # half an interval of the lease being there to grant.
+        assert any(asked_at <= at < asked_at + 0.5 for at, _ in h.lease_acks)
+        assert ready.replica_id == "r1"
+
+    simulate(scenario())
+
+
+def test_a_replica_is_reported_ready_anyway_when_no_lease_comes() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        async with h.running():
+            h.grant_leases()
+            await wait_until(lambda: h.agent.fenced("r1", 2) != "")
+            await h.send(start("r1", 2))
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            await h.reports.until(lambda r: r.state == "ready")
+            waited = loop.time() - began
+        assert 1.5 <= waited <= 2.5  # two heartbeat intervals, then ready regardless
+
+    simulate(scenario())
+
+
 def test_start_is_idempotent_by_command_id_and_by_replica_epoch() -> None:
     async def scenario() -> None:
         first = start("r1", 1, command_id="c1")
