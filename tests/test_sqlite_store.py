@@ -559,3 +559,51 @@ async def test_append_many_reports_storage_errors_per_append(db_path: Path) -> N
         assert await store.head() == 0
     finally:
         await store.close()
+
+
+async def test_a_log_from_before_heartbeat_streams_still_folds_and_grows(db_path: Path) -> None:
+    """Logs written before 2026-11-24 hold heartbeats in node/<id>. They stay readable: the
+    folds key heartbeats by node, not stream; the node stream keeps its versions for the
+    NodeActor; new heartbeats start heartbeat/<id> at 1; compaction and the rebuild reader
+    handle both."""
+    import projections
+    from events.codec import encode_payload
+
+    make = EventMaker(step_ns=1_000_000_000)
+    old = [make(NodeRegistered(node_id="a")), make(hb("a", 1)), make(hb("a", 2))]
+    store = await SqliteEventStore.open(db_path)  # creates the schema
+    await store.close()
+    raw_insert(
+        db_path,
+        [
+            (
+                i,
+                e.event_id,
+                "node/a",
+                i,
+                e.type,
+                e.recorded_at,
+                e.correlation_id,
+                "",
+                encode_payload(e.payload),
+            )
+            for i, e in enumerate(old, start=1)
+        ],
+    )
+    store = await SqliteEventStore.open(db_path)
+    try:
+        state = projections.rebuild(await store.read_all(1, 100))
+        assert state.nodes.nodes["a"].last_heartbeat_seq == 2
+        assert await store.stream_version("node/a") == 3  # the NodeActor goes on from here
+        await store.append("node/a", [make(note("a", 1))], 3)
+        assert await store.append_many([("heartbeat/a", [make(hb("a", 3))], 0)]) == [[5]]
+        everything = await store.read_all(1, 100)
+        state = projections.rebuild(everything)
+        assert state.nodes.nodes["a"].last_heartbeat_seq == 3
+        fast = projections.rebuild(await store.read_for_rebuild(1, 100))
+        assert fast == state
+        # Each stream's latest heartbeat is kept: the old stream's last one, and the new one.
+        assert await store.compact_heartbeats(make.now_ns + 1) == 1
+        assert projections.rebuild(await store.read_all(1, 100)) == state
+    finally:
+        await store.close()
