@@ -2,8 +2,8 @@
 
 Reconciling reads the live fleet state (a fold of the log) and acts through ReplicaActors:
   1. replicas on offline, unhealthy or removed nodes fail (the unhealthy node is told to stop);
-  2. while fewer than `replicas` are in service on good nodes (healthy, not drained), failed
-     slots are placed again at a higher epoch, then new slots are added;
+  2. while fewer than `replicas` are in service on good nodes (healthy or suspect, not
+     drained), failed slots are placed again at a higher epoch, then new slots are added;
   3. replicas on degraded or drained nodes keep serving until enough replicas are ready on good
      nodes, and are stopped only then: the replacement is ready first;
   4. extras beyond `replicas` are stopped, not-ready ones first.
@@ -91,7 +91,10 @@ class Fleet(Protocol):
 
 
 def _good(node: NodeView | None) -> bool:
-    return node is not None and node.health == "healthy" and not node.drained
+    # A suspect node's replicas still count as serving: moving them on two missed heartbeats
+    # would churn the fleet for every hiccup. The scheduler gives it no new ones; if it goes
+    # offline its replicas fail and move then.
+    return node is not None and node.health in ("healthy", "suspect") and not node.drained
 
 
 def _lost(node: NodeView | None) -> bool:

@@ -16,7 +16,7 @@ from events.node import HealthReason, HealthState
 @dataclass(frozen=True, slots=True)
 class HealthPolicy:
     heartbeat_interval: float = 1.0
-    suspect_after: int = 2  # missed heartbeats before the node is suspect (logged)
+    suspect_after: int = 2  # missed heartbeats before a healthy node is recorded suspect
     offline_after: int = 3  # missed heartbeats before the node is declared offline
     thermal_high_c: float = 85.0  # at or above: degraded
     thermal_low_c: float = 75.0  # at or below again: the thermal condition clears

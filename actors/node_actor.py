@@ -250,6 +250,23 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         if missed >= self.policy.suspect_after and not self.suspect_logged:
             self._suspect_for = self.last_seen
             ctx.log.warning("node_suspect", missed=missed)
+            # Only a healthy node becomes suspect: a degraded or unhealthy verdict says more
+            # (an unhealthy node's replicas are unroutable; suspect ones would route again).
+            if self.state.health == "healthy":
+                # Shared before the write, so a heartbeat that lands meanwhile is passed on to
+                # this actor and clears the suspicion rather than being judged no change.
+                self.liveness.verdicts[self.node_id] = ("suspect", "missed_heartbeats")
+                return await self.persist(
+                    ctx,
+                    [
+                        NodeHealthChanged(
+                            node_id=self.node_id,
+                            state="suspect",
+                            reason="missed_heartbeats",
+                            detail=f"{missed} heartbeats missed",
+                        )
+                    ],
+                )
         return []
 
 

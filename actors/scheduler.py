@@ -7,9 +7,10 @@ so a replay folds the recorded decision and never has to run the scheduler again
 The decision has two stages:
 
 1. Filters. A node is rejected, with a one-line reason, if it is not healthy, is drained, is in
-   `avoid`, lacks one of the spec's labels, or has fewer than `spec.gpu.count` free GPUs of one
-   accepted model with at least `spec.gpu.min_vram_mib` each. A replica's GPUs are all of one
-   model: tensor-parallel shards on mixed models run at the pace and memory of the weakest.
+   `avoid`, is outside `spec.regions` (when the spec names any), lacks one of the spec's labels,
+   or has fewer than `spec.gpu.count` free GPUs of one accepted model with at least
+   `spec.gpu.min_vram_mib` each. A replica's GPUs are all of one model: tensor-parallel shards
+   on mixed models run at the pace and memory of the weakest.
 2. Ranking. The nodes left are compared lexicographically, so each rule only matters when every
    rule before it ties, and the deciding rule can be named:
 
@@ -87,7 +88,7 @@ def eligible_gpus(
     node: NodeView, spec: ClusterSpec, placements: Iterable[ReplicaView]
 ) -> tuple[int, ...] | None:
     """The GPUs `node` could give one more replica of `spec` now, or None if it cannot take
-    one (unhealthy, drained, labels, GPU model, VRAM, too few free GPUs). For checkers."""
+    one (unhealthy, drained, region, labels, GPU model, VRAM, too few free GPUs). For checkers."""
     verdict = _filter(node, spec, _taken(placements).get(node.node_id, set()), ())
     return None if isinstance(verdict, _Reject) else verdict
 
@@ -238,6 +239,15 @@ def _filter(
         return _Reject(1, "drained", "drained", "drained")
     if node.node_id in avoid:
         return _Reject(2, "avoided", "avoided", "avoided for this placement")
+    if spec.regions and node.region not in spec.regions:
+        # "/" as for GPU models: a NoFit summary already separates its causes with commas.
+        allowed = "/".join(spec.regions)
+        return _Reject(
+            3,
+            f"is outside regions {allowed}",
+            f"are outside regions {allowed}",
+            f"region {node.region or '?'} not in {allowed}",
+        )
     for key, want in sorted(spec.labels.items()):
         have = node.labels.get(key)
         if have != want:
@@ -245,7 +255,7 @@ def _filter(
             detail = (
                 f"label {key}={want} missing" if have is None else f"label {key}={have}, not {want}"
             )
-            return _Reject(3, f"lacks labels {wanted}", f"lack labels {wanted}", detail)
+            return _Reject(4, f"lacks labels {wanted}", f"lack labels {wanted}", detail)
     return _choose_gpus(node, spec, taken)
 
 
@@ -260,12 +270,12 @@ def _choose_gpus(node: NodeView, spec: ClusterSpec, taken: set[int]) -> tuple[in
 
     of_model = [g for g in gpus if not accepted or g.model in accepted]
     if not of_model:
-        return _Reject(4, f"has no {what}", f"have no {what}", f"no {what} ({_inventory(gpus)})")
+        return _Reject(5, f"has no {what}", f"have no {what}", f"no {what} ({_inventory(gpus)})")
     big = [g for g in of_model if g.vram_mib >= spec.gpu.min_vram_mib]
     if not big:
         largest = max(g.vram_mib for g in of_model)
         return _Reject(
-            5, f"has no {what}{vram}", f"have no {what}{vram}", f"no {what}{vram} ({largest} MiB)"
+            6, f"has no {what}{vram}", f"have no {what}{vram}", f"no {what}{vram} ({largest} MiB)"
         )
     free: dict[str, list[int]] = {}
     for gpu in big:
@@ -282,7 +292,7 @@ def _choose_gpus(node: NodeView, spec: ClusterSpec, taken: set[int]) -> tuple[in
         have = f"0 free {what}"
     one_model = " of one model" if len(free) > 1 else ""
     return _Reject(
-        6,
+        7,
         f"has {short} {what}{vram}",
         f"have {short} {what}{vram}",
         f"{have}{vram}, needs {need}{one_model}",

@@ -29,6 +29,8 @@ def from_mapping(raw: Any) -> ClusterSpec:
         if isinstance(gpu.get("models"), list):
             gpu["models"] = tuple(gpu["models"])
         raw = {**raw, "gpu": gpu}
+    if isinstance(raw, dict) and isinstance(raw.get("regions"), list):
+        raw = {**raw, "regions": tuple(raw["regions"])}
     try:
         spec = msgspec.convert(raw, ClusterSpec, strict=True)
     except msgspec.ValidationError as exc:
@@ -50,6 +52,19 @@ def validate(spec: ClusterSpec) -> None:
     for field_name, bad, why in problems:
         if bad:
             raise SpecError(f"{field_name}: {why}")
+    _validate_regions(spec.regions)
+
+
+def _validate_regions(regions: tuple[str, ...]) -> None:
+    # A blank or repeated entry is a typo, not a constraint: it would silently match nothing or
+    # say the same twice, and the operator would only find out when nothing is placed.
+    seen: set[str] = set()
+    for region in regions:
+        if not region.strip():
+            raise SpecError("regions: entries must be non-empty region names")
+        if region in seen:
+            raise SpecError(f"regions: {region!r} is listed twice")
+        seen.add(region)
 
 
 def _field_message(text: str) -> str:

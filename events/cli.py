@@ -18,6 +18,7 @@ import msgspec
 from .codec import encode_envelope
 from .envelope import Envelope, Undecodable
 from .errors import LogNotFound
+from .replica import Candidate
 from .synthetic import fleet_history
 
 POLL_SECONDS = 0.2  # another process owns the log, so following it means polling the file
@@ -100,18 +101,58 @@ def _render(envelope: Envelope, as_json: bool) -> str:
     return (encode_envelope(envelope).decode() if as_json else format_line(envelope)) + "\n"
 
 
+# Fields that explain a decision (a placement's `why`, an unschedulable cluster's `reason`):
+# printed whole, since a cut explanation explains nothing. Other free text (a workload's exit
+# detail can be long) is cut so an event stays a readable line.
+_EXPLANATIONS = frozenset({"why", "reason"})
+_CUT = 80
+# A fleet of hundreds of nodes would make the candidate lines pages long; --json has them all.
+MAX_CANDIDATES_SHOWN = 12
+_INDENT = " " * 11  # under the timestamp, past the position column
+
+
 def format_line(envelope: Envelope) -> str:
-    """One readable line: position, time, stream@version, type, the payload's salient fields."""
+    """A readable line: position, time, stream@version, type, the payload's salient fields.
+
+    An event that records a scheduling decision (`replica.placed`, `cluster.unschedulable`) is
+    followed by indented lines naming the candidates: the ranked ones in order, then each
+    rejected node with why it was rejected.
+    """
     at = datetime.fromtimestamp(envelope.recorded_at / 1e9, tz=UTC)
     stamp = at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+    extra: list[str] = []
     if isinstance(envelope.payload, Undecodable):
         detail = f"UNDECODABLE ({envelope.payload.error}) raw={envelope.payload.raw[:60]!r}"
     else:
         detail = _summarise(msgspec.structs.asdict(envelope.payload))
-    return (
+        candidates = getattr(envelope.payload, "candidates", None)
+        if isinstance(candidates, tuple) and candidates:
+            extra = [_INDENT + line for line in candidate_lines(candidates)]
+    head = (
         f"{envelope.position:>9}  {stamp}  {envelope.stream}@{envelope.version}  "
         f"{envelope.type}  {detail}"
     )
+    return "\n".join([head, *extra])
+
+
+def candidate_lines(candidates: tuple[Candidate, ...]) -> list[str]:
+    """`ranked: a (chosen), b, c` and `rejected: d: why; e: why`, each cut to a readable size."""
+    ranked = [c.node_id for c in candidates if not c.rejected]
+    rejected = [c for c in candidates if c.rejected]
+    lines = []
+    if ranked:
+        # The scheduler lists accepted nodes best first, so the first is the one it chose.
+        names = [f"{ranked[0]} (chosen)", *ranked[1:]]
+        lines.append("ranked: " + _capped(names))
+    if rejected:
+        lines.append("rejected: " + _capped([f"{c.node_id}: {c.rejected}" for c in rejected], "; "))
+    return [" ".join(line.splitlines()) for line in lines]
+
+
+def _capped(items: list[str], sep: str = ", ") -> str:
+    shown = sep.join(items[:MAX_CANDIDATES_SHOWN])
+    hidden = len(items) - MAX_CANDIDATES_SHOWN
+    return shown + (f"{sep}... {hidden} more (--json lists all)" if hidden > 0 else "")
 
 
 def _summarise(fields: dict[str, Any]) -> str:
@@ -127,7 +168,8 @@ def _summarise(fields: dict[str, Any]) -> str:
             parts.append(f"{key}={_summarise(msgspec.structs.asdict(value))}")
         else:
             text = ",".join(map(str, value)) if isinstance(value, tuple | list) else str(value)
-            parts.append(f"{key}={text[:80]}")
+            text = text if key in _EXPLANATIONS else text[:_CUT]
+            parts.append(f"{key}={' '.join(text.splitlines())}")
     return " ".join(parts)
 
 

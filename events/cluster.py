@@ -25,8 +25,11 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     env: dict[str, str] = {}
     port: int = 0  # 0: the agent picks a free port
     health_path: str = "/health"
-    preferred_region: str = ""
+    preferred_region: str = ""  # a ranking preference among the nodes that pass the filters
     labels: dict[str, str] = {}  # node labels a placement requires
+    # Regions a replica may be placed in (a hard filter); empty allows any. Added after v1 was
+    # written, so older logs decode with the default and mean what they meant: anywhere.
+    regions: tuple[str, ...] = ()
 
 
 class ClusterCreated(

@@ -6,7 +6,10 @@ from typing import Literal
 
 import msgspec
 
-HealthState = Literal["healthy", "degraded", "unhealthy", "offline"]
+# "suspect" (silent for `suspect_after` heartbeats, not yet `offline_after`) was added to v1
+# after the others: every row written before still decodes with the meaning it had. A suspect
+# node takes no new replicas; the ones it runs keep serving unless it goes offline.
+HealthState = Literal["healthy", "suspect", "degraded", "unhealthy", "offline"]
 HealthReason = Literal[
     "registered",  # first verdict after registration
     "recovered",  # the condition that changed health has cleared

@@ -1,7 +1,8 @@
 """Fold: the routing table, cluster -> ready replicas a gateway may use.
 
 A replica is routable when it is ready at its newest epoch, its cluster exists, and its node is
-not offline, unhealthy or removed. A degraded node still serves while its replicas migrate.
+not offline, unhealthy or removed. A degraded node still serves while its replicas migrate, and
+a suspect one (a few missed heartbeats) until it is declared offline.
 """
 
 from __future__ import annotations

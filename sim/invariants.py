@@ -104,7 +104,9 @@ class Checker:
                 self._offline_since.setdefault(payload.node_id, at)
             else:
                 self._offline_since.pop(payload.node_id, None)
-            if payload.state != "healthy":
+            # Suspect is a warning, not yet a verdict on the fault: detection is the verdict
+            # that moves replicas (offline, unhealthy) or degrades the node.
+            if payload.state not in ("healthy", "suspect"):
                 for pending in self._pending:
                     if pending.node_id == payload.node_id and not pending.detected:
                         pending.detected = True
@@ -223,7 +225,7 @@ class Checker:
         if node is None:
             return
         view = self.state.nodes.nodes.get(node.node_id)
-        if view is not None and view.health != "healthy":
+        if view is not None and view.health not in ("healthy", "suspect"):
             return  # already held unhealthy or offline: there is no change left to detect
         replicas = {
             r.replica_id: r.epoch

@@ -86,7 +86,7 @@ node_events = st.one_of(
     st.builds(
         NodeHealthChanged,
         node_id=node_ids,
-        state=st.sampled_from(["healthy", "degraded", "unhealthy", "offline"]),
+        state=st.sampled_from(["healthy", "suspect", "degraded", "unhealthy", "offline"]),
         reason=st.sampled_from(["missed_heartbeats", "thermal", "ecc", "driver", "recovered"]),
     ),
     st.builds(NodeDrained, node_id=node_ids),

@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -253,3 +254,124 @@ def test_tune_collector_sets_the_daemon_thresholds() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def _log_with_decisions(path: Path) -> tuple[str, str]:
+    """An events.db holding one real placement and one real no-fit, as the scheduler made them;
+    returns the placement's `why` and the no-fit's `reason`."""
+    import asyncio
+    import random
+
+    from actors.scheduler import NoFit, Placement, schedule
+    from events import ClusterSpec, ClusterUnschedulable, GpuInfo, GpuRequirement, ReplicaPlaced
+    from events.sqlite_store import SqliteEventStore
+    from projections.views import NodeView
+    from tests.factories import EventMaker
+
+    def node(node_id: str, region: str, **fields: Any) -> NodeView:
+        gpus = (GpuInfo(index=0, uuid=f"GPU-{node_id}", model="A100", vram_mib=81920),)
+        return NodeView(node_id=node_id, region=region, zone="a", gpus=gpus, **fields)
+
+    nodes = [
+        node("gpu-eu-1", "eu-west", price_per_hour=1.0),
+        node("gpu-eu-2", "eu-west", price_per_hour=2.0),
+        node("gpu-us-1", "us-east", price_per_hour=0.5),
+        node("gpu-eu-sick", "eu-west", health="unhealthy", health_reason="ecc"),
+    ]
+    wanted = ClusterSpec(name="llama", command="c", regions=("eu-west",))
+    placed = schedule(nodes, wanted, [], random.Random(1))
+    assert isinstance(placed, Placement)
+    too_big = ClusterSpec(name="big", command="c", gpu=GpuRequirement(count=2))
+    blocked = schedule(nodes, too_big, [], random.Random(1))
+    assert isinstance(blocked, NoFit)
+    make = EventMaker()
+
+    async def write() -> None:
+        store = await SqliteEventStore.open(path)
+        try:
+            await store.append(
+                "replica/llama-0",
+                [
+                    make(
+                        ReplicaPlaced(
+                            replica_id="llama-0",
+                            cluster="llama",
+                            node_id=placed.node_id,
+                            gpu_indices=placed.gpu_indices,
+                            epoch=1,
+                            why=placed.why,
+                            candidates=placed.candidates,
+                        )
+                    )
+                ],
+                0,
+            )
+            unschedulable = ClusterUnschedulable(
+                name="big", missing=1, reason=blocked.reason, candidates=blocked.candidates
+            )
+            await store.append("cluster/big", [make(unschedulable)], 0)
+        finally:
+            await store.close()
+
+    asyncio.run(write())
+    return placed.why, blocked.reason
+
+
+def test_events_tail_explains_placements_and_unschedulable_clusters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    why, reason = _log_with_decisions(tmp_path / "events.db")
+    assert len(why) > 80  # long enough that the old 80-character cut would have hidden part
+
+    code, out, _ = run(capsys, "events", "tail", "--data-dir", str(tmp_path))
+    assert code == 0
+    lines = out.splitlines()
+    placed_at = next(i for i, line in enumerate(lines) if "replica.placed.v1" in line)
+    assert f"why={why}" in lines[placed_at]  # the winner's whole explanation
+    assert lines[placed_at + 1].split() == [
+        "ranked:",
+        "gpu-eu-1",
+        "(chosen),",
+        "gpu-eu-2",
+    ]
+    assert lines[placed_at + 2].strip() == (
+        "rejected: gpu-eu-sick: unhealthy (ecc); gpu-us-1: region us-east not in eu-west"
+    )
+    blocked_at = next(i for i, line in enumerate(lines) if "cluster.unschedulable.v1" in line)
+    assert f"reason={reason}" in lines[blocked_at]
+    assert reason == "no node fits big: 1 unhealthy, 3 have < 2 free GPU"
+    assert lines[blocked_at + 1].strip() == (
+        "rejected: gpu-eu-1: 1 A100 free, needs 2; gpu-eu-2: 1 A100 free, needs 2; "
+        "gpu-eu-sick: unhealthy (ecc); gpu-us-1: 1 A100 free, needs 2"
+    )
+    assert len(lines) == 5  # continuation lines only where there are candidates
+    assert all(line.startswith(" " * 11) for line in (lines[1], lines[2], lines[4]))
+
+    code, out, _ = run(capsys, "events", "tail", "--data-dir", str(tmp_path), "--json")
+    assert code == 0
+    placed_json, blocked_json = (json.loads(line) for line in out.splitlines())
+    assert placed_json["type"] == "replica.placed.v1"
+    assert placed_json["payload"]["why"] == why
+    assert placed_json["payload"]["candidates"] == [
+        {"node_id": "gpu-eu-1", "score": 2.0},
+        {"node_id": "gpu-eu-2", "score": 1.0},
+        {"node_id": "gpu-eu-sick", "rejected": "unhealthy (ecc)"},
+        {"node_id": "gpu-us-1", "rejected": "region us-east not in eu-west"},
+    ]
+    assert blocked_json["payload"]["reason"] == reason
+    assert {c["node_id"]: c["rejected"] for c in blocked_json["payload"]["candidates"]} == {
+        "gpu-eu-1": "1 A100 free, needs 2",
+        "gpu-eu-2": "1 A100 free, needs 2",
+        "gpu-eu-sick": "unhealthy (ecc)",
+        "gpu-us-1": "1 A100 free, needs 2",
+    }
+
+
+def test_a_long_candidate_list_is_cut_with_a_pointer_to_json() -> None:
+    from events import Candidate
+    from events.cli import MAX_CANDIDATES_SHOWN, candidate_lines
+
+    many = tuple(Candidate(node_id=f"n{i:02d}", rejected="drained") for i in range(20))
+    (line,) = candidate_lines(many)
+    assert line.count(": drained") == MAX_CANDIDATES_SHOWN
+    assert line.endswith(f"; ... {20 - MAX_CANDIDATES_SHOWN} more (--json lists all)")

@@ -200,6 +200,48 @@ def test_required_labels_must_be_present_and_equal() -> None:
     assert placed([missing], spec(labels={})).node_id == "missing"
 
 
+def test_regions_are_a_hard_filter() -> None:
+    # The cheapest node is in the wrong region: a preference would lose to nothing, a
+    # constraint must win over price.
+    cheap_us = node("cheap-us", region="us-east", price_per_hour=0.1)
+    eu = node("eu", region="eu-west", price_per_hour=9)
+    central = node("central", region="eu-central", price_per_hour=5)
+    nowhere = node("nowhere", price_per_hour=0.1)
+    the_spec = spec(regions=("eu-west", "eu-central"))
+    assert placed([cheap_us, eu, central, nowhere], the_spec).node_id == "central"
+    assert placed([cheap_us, eu], the_spec).node_id == "eu"
+    assert placed([cheap_us, nowhere], spec(regions=())).node_id in {"cheap-us", "nowhere"}
+
+    result = no_fit([cheap_us, nowhere], the_spec)
+    assert result.reason == "no node fits llama: 2 are outside regions eu-west/eu-central"
+    assert rejection(result, "cheap-us") == "region us-east not in eu-west/eu-central"
+    assert rejection(result, "nowhere") == "region ? not in eu-west/eu-central"
+    one = no_fit([cheap_us], spec(regions=("eu-west",)))
+    assert one.reason == "no node fits llama: 1 is outside regions eu-west"
+
+
+def test_region_filter_ranks_among_the_other_filters() -> None:
+    # Health, drain and avoid come first; the region comes before labels and GPUs, so a
+    # summary names the region for a node that fails both.
+    wrong_and_unlabelled = node("n1", region="us-east", labels={})
+    result = no_fit([wrong_and_unlabelled], spec(regions=("eu-west",), labels={"tier": "gold"}))
+    assert rejection(result, "n1") == "region us-east not in eu-west"
+    sick = node("n2", region="us-east", health="unhealthy", health_reason="ecc")
+    assert rejection(no_fit([sick], spec(regions=("eu-west",))), "n2") == "unhealthy (ecc)"
+    mixed = no_fit(
+        [node("a", 0, region="eu-west"), node("b", region="us-east")], spec(regions=("eu-west",))
+    )
+    assert mixed.reason == "no node fits llama: 1 is outside regions eu-west, 1 has no GPU"
+
+
+def test_preferred_region_still_ranks_within_the_allowed_regions() -> None:
+    the_spec = spec(regions=("eu-west", "us-east"), preferred_region="us-east")
+    nodes = [node("eu", region="eu-west"), node("us", region="us-east", price_per_hour=9)]
+    result = placed(nodes, the_spec)
+    assert result.node_id == "us"
+    assert "region preference" in result.why
+
+
 def test_failed_and_stopped_replicas_release_their_gpus() -> None:
     n = node("n1", 1)
     assert placed([n], spec(), [replica("n1", 0, status="failed")]).gpu_indices == (0,)
@@ -571,6 +613,9 @@ specs = st.builds(
     vram=st.sampled_from([0, 0, 0, 24576, 40960, 81920]),
     labels=st.sampled_from([{}, {}, {}, {"tier": "gold"}]),
     preferred_region=st.sampled_from(REGIONS),
+    regions=st.sampled_from(
+        [(), (), (), ("eu-west",), ("eu-west", "eu-central"), ("us-east", ""), ("ap-south",)]
+    ),
 )
 cluster_specs = st.lists(specs, min_size=1, max_size=3, unique_by=lambda s: s.name)
 
@@ -633,6 +678,7 @@ def fits(
         n.health == "healthy"
         and not n.drained
         and n.node_id not in avoid
+        and (not the_spec.regions or n.region in the_spec.regions)
         and all(n.labels.get(k) == v for k, v in the_spec.labels.items())
         and bool(gpu_options(n, the_spec, placements))
     )
@@ -714,8 +760,8 @@ def test_placements_on_generated_fleets_agree_with_the_oracle(
         chosen = by_id[result.node_id]
         assert "\n" not in result.why and result.why.startswith(f"{chosen.node_id}: ")
 
-        # (a) It fits: health, drain, avoid, labels; the right count of distinct, free GPUs of
-        # the node, of one accepted model, each with enough VRAM...
+        # (a) It fits: health, drain, avoid, region, labels; the right count of distinct, free
+        # GPUs of the node, of one accepted model, each with enough VRAM...
         assert chosen in fitting
         gpus = {g.index: g for g in chosen.gpus}
         assert len(set(result.gpu_indices)) == len(result.gpu_indices) == the_spec.gpu.count

@@ -69,6 +69,24 @@ def test_a_degraded_node_keeps_serving_while_replicas_migrate() -> None:
     assert [r.replica_id for r in routes(state)] == ["llama-0"]
 
 
+def test_a_suspect_node_is_shown_suspect_and_keeps_serving_until_offline() -> None:
+    ready = ReplicaReady(replica_id="llama-0", epoch=1, address="http://a")
+    suspect = NodeHealthChanged(
+        node_id="n1", state="suspect", reason="missed_heartbeats", detail="2 heartbeats missed"
+    )
+    state = fold(*BASE, ready, suspect)
+    node = state.nodes.nodes["n1"]
+    assert (node.health, node.health_reason, node.health_detail) == (
+        "suspect",
+        "missed_heartbeats",
+        "2 heartbeats missed",
+    )
+    assert [r.replica_id for r in routes(state)] == ["llama-0"]
+    assert "n1" not in state.routing.unroutable_nodes
+    offline = NodeHealthChanged(node_id="n1", state="offline", reason="missed_heartbeats")
+    assert routes(fold(*BASE, ready, suspect, offline)) == ()
+
+
 def test_a_new_epoch_supersedes_and_stale_events_are_ignored() -> None:
     state = fold(
         *BASE,

@@ -1,0 +1,97 @@
+"""`gpumesh up --demo` as a user meets it: it comes up, says where everything is, the curl line
+it prints works through the gateway, and Ctrl-C stops every process it started, exit code 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import signal
+import subprocess
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.stack import kill_marked, marked_pids, pid_alive
+from tests.integration.up_process import api, connect_admin, reap, start_up
+
+pytestmark = pytest.mark.integration
+
+
+def read_summary(up: subprocess.Popen[bytes]) -> dict[str, str]:
+    """The summary `gpumesh up` prints once it is up, as label -> rest of the line."""
+    assert up.stdout is not None
+    summary: dict[str, str] = {}
+    for raw in up.stdout:
+        label, sep, rest = raw.decode().strip().partition(":")
+        if sep:
+            summary[label] = rest.strip()
+        if label == "stop":
+            break
+    return summary
+
+
+def curl(command: str) -> dict[str, Any]:
+    """Do what the printed `curl -s URL -H HEADER -d BODY` does, with urllib."""
+    argv = shlex.split(command)
+    assert argv[:2] == ["curl", "-s"], argv
+    url, headers, body = argv[2], {}, b""
+    flags = iter(argv[3:])
+    for flag in flags:
+        value = next(flags)
+        if flag == "-H":
+            name, _, text = value.partition(":")
+            headers[name.strip()] = text.strip()
+        else:
+            assert flag == "-d", argv
+            body = value.encode()
+    assert url.startswith("http://127.0.0.1:"), url  # loopback only
+    request = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer
+
+
+async def test_up_demo_comes_up_serves_the_printed_curl_and_stops_on_sigint(
+    tmp_path: Path,
+) -> None:
+    data_dir = tmp_path / "stack"
+    marker = f"demo-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    up = start_up(data_dir, marker, nodes=3, extra=["--demo"])
+    try:
+        summary = await asyncio.wait_for(asyncio.to_thread(read_summary, up), timeout=60)
+        log = tmp_path / "up.log"
+        assert "stop" in summary, log.read_text()[-3000:]
+        gateway = summary["gateway"].split()[0]
+        assert gateway.startswith("http://127.0.0.1:") and gateway.endswith("/v1"), summary
+        nats = summary["NATS"].split()[0]
+        assert nats.startswith(("tls://127.0.0.1:", "nats://127.0.0.1:")), summary
+        ask = summary["ask it"]
+        assert ask.startswith(f"curl -s {gateway}/chat/completions "), ask
+
+        # It says it is up only once the demo cluster is whole.
+        bus = await connect_admin(data_dir, nats, "test-up-demo")
+        try:
+            cluster = await api(bus, "cluster.get", {"name": "echo"})
+        finally:
+            await bus.close()
+        assert (cluster["desired"], cluster["ready"]) == (3, 3), cluster
+        assert len({r["node_id"] for r in cluster["replicas"]}) == 3  # spread over the nodes
+
+        answer = await asyncio.to_thread(curl, ask)
+        assert answer["object"] == "chat.completion" and answer["model"] == "echo", answer
+        assert "hello gpumesh" in answer["choices"][0]["message"]["content"], answer
+
+        up.send_signal(signal.SIGINT)
+        code = await asyncio.to_thread(up.wait, 30)
+        assert code == 0, log.read_text()[-3000:]
+        # The agents stopped their workloads on the way out: nothing it started is left.
+        assert [pid for pid in marked_pids(marker) if pid_alive(pid)] == []
+    finally:
+        reap(up)
+        await asyncio.to_thread(kill_marked, marker)
