@@ -14,7 +14,7 @@ import itertools
 import math
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgspec
 from aiohttp import web
@@ -25,6 +25,15 @@ from events.tunnel import HOP_BY_HOP
 from .auth import ANONYMOUS, KeyRing, Tenant
 from .dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
 from .instruments import Instruments
+from .reply import (
+    JSON_HEADERS,
+    AiohttpInbound,
+    AiohttpSink,
+    FlowControlled,
+    Inbound,
+    Sink,
+    error_body,
+)
 from .router import Router
 from .transport.base import (
     FirstByteTimeout,
@@ -54,7 +63,7 @@ class _OpenAIBody(msgspec.Struct):
 
 
 _BODY = msgspec.json.Decoder(_OpenAIBody)
-_ERROR = msgspec.json.Encoder()
+_JSON = msgspec.json.Encoder()
 # RFC 9110 section 9.2.2: repeating one of these has the effect of sending it once.
 _IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 # Client headers that stop at the gateway: its own credentials, and what each hop sets itself.
@@ -94,17 +103,23 @@ class _Answer:
         self.body = self.response.chunks()
 
 
-def _with_id(response: web.Response, request_id: str) -> web.Response:
-    response.headers["X-Request-Id"] = request_id
-    return response
-
-
 def openai_error(status: int, message: str, code: str, **headers: str) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "upstream_error"
-    body = _ERROR.encode({"error": {"message": message, "type": kind, "code": code}})
     return web.Response(
-        status=status, body=body, content_type="application/json", headers=headers or None
+        status=status,
+        body=error_body(status, message, code),
+        content_type="application/json",
+        headers=headers or None,
     )
+
+
+def send_error(
+    sink: Sink, status: int, message: str, code: str, request_id: str = "", **headers: str
+) -> None:
+    """An OpenAI-shaped error answer through `sink`."""
+    extra = [*JSON_HEADERS, *headers.items()]
+    if request_id:
+        extra.append(("X-Request-Id", request_id))
+    sink.send(status, extra, error_body(status, message, code))
 
 
 class Proxy:
@@ -143,52 +158,73 @@ class Proxy:
         return f"{self.settings.gateway_id}-{next(self._ids):x}"
 
     # -- routes --------------------------------------------------------------------------
+    # The aiohttp handlers serve what the front hands to aiohttp (gateway/front.py); the
+    # serve_* methods are the routes themselves, for either server.
 
     async def openai(self, request: web.Request) -> web.StreamResponse:
         """/v1/chat/completions, /v1/completions, /v1/embeddings: routed by `model`."""
-        tenant = self._admit(request)
-        if isinstance(tenant, web.Response):
-            return tenant
+        inbound, sink = AiohttpInbound(request), AiohttpSink(request)
+        if (tenant := self.admit(inbound, sink)) is None:
+            return _answer(sink)
         body = await self._read_body(request)
         if isinstance(body, web.Response):
             return body
-        try:
-            parsed = _BODY.decode(body)
-        except msgspec.DecodeError as exc:
-            return openai_error(400, f"the body is not a valid request: {exc}", "invalid_body")
-        if not parsed.model:
-            return openai_error(400, "`model` is required: one of GET /v1/models", "missing_model")
-        # An inference call changes nothing on the replica: repeating it after a failure is
-        # what keeps clients from seeing errors a healthy replica could have answered.
-        with self._in_flight_here():
-            return await self._forward(
-                request,
-                tenant,
-                parsed.model,
-                request.path_qs,
-                body,
-                self._affinity_key(parsed),
-                repeatable=True,
-            )
+        with self.in_flight_here():
+            await self.serve_openai(inbound, sink, tenant, request.path_qs, body)
+        return _answer(sink)
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """/c/<cluster>/<path>: any other HTTP API of a cluster, forwarded as it is."""
-        tenant = self._admit(request)
-        if isinstance(tenant, web.Response):
-            return tenant
+        inbound, sink = AiohttpInbound(request), AiohttpSink(request)
+        if (tenant := self.admit(inbound, sink)) is None:
+            return _answer(sink)
         cluster = request.match_info["cluster"]
-        tail = request.match_info.get("tail", "")
-        query = f"?{request.query_string}" if request.query_string else ""
+        # The target as the client sent it, still percent-encoded: /c/<cluster> comes off.
+        raw = request.raw_path
+        prefix = f"/c/{cluster}"
+        target = raw[len(prefix) :] if raw.startswith(prefix) else raw.split("/", 3)[-1]
+        if not target.startswith("/"):
+            target = "/" + target
         body = await self._read_body(request)
         if isinstance(body, web.Response):
             return body
+        with self.in_flight_here():
+            await self.serve_passthrough(inbound, sink, tenant, cluster, target, body)
+        return _answer(sink)
+
+    async def serve_openai(
+        self, inbound: Inbound, sink: Sink, tenant: Tenant, target: str, body: bytes
+    ) -> None:
+        try:
+            parsed = _BODY.decode(body)
+        except msgspec.DecodeError as exc:
+            send_error(sink, 400, f"the body is not a valid request: {exc}", "invalid_body")
+            return
+        if not parsed.model:
+            send_error(sink, 400, "`model` is required: one of GET /v1/models", "missing_model")
+            return
+        # An inference call changes nothing on the replica: repeating it after a failure is
+        # what keeps clients from seeing errors a healthy replica could have answered.
+        await self._forward(
+            inbound,
+            sink,
+            tenant,
+            parsed.model,
+            target,
+            body,
+            self._affinity_key(parsed),
+            repeatable=True,
+        )
+
+    async def serve_passthrough(
+        self, inbound: Inbound, sink: Sink, tenant: Tenant, cluster: str, target: str, body: bytes
+    ) -> None:
         # Any API at all: a POST may create something, so it is repeated only when the client
         # says it is safe to (an Idempotency-Key) or the method is idempotent (RFC 9110 9.2.2).
-        repeatable = request.method in _IDEMPOTENT_METHODS or "Idempotency-Key" in request.headers
-        with self._in_flight_here():
-            return await self._forward(
-                request, tenant, cluster, f"/{tail}{query}", body, "", repeatable=repeatable
-            )
+        repeatable = (
+            inbound.method in _IDEMPOTENT_METHODS or inbound.header("idempotency-key") is not None
+        )
+        await self._forward(inbound, sink, tenant, cluster, target, body, "", repeatable=repeatable)
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
         limit = self.settings.request_body_timeout_s
@@ -202,39 +238,46 @@ class Proxy:
             answer.force_close()  # the connection is spent: a body half read
             return answer
 
-    async def models(self, request: web.Request) -> web.Response:
-        tenant = self._admit(request)
-        if isinstance(tenant, web.Response):
-            return tenant
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        sink = AiohttpSink(request)
+        tenant = self.admit(AiohttpInbound(request), sink)
+        if tenant is None:
+            return _answer(sink)
         data = [
             {"id": name, "object": "model", "created": 0, "owned_by": "gpumesh"}
             for name in self.router.models()
             if tenant.reaches(self.router.resolve(name))
         ]
         return web.Response(
-            body=_ERROR.encode({"object": "list", "data": data}), content_type="application/json"
+            body=_JSON.encode({"object": "list", "data": data}), content_type="application/json"
         )
 
     # -- the data path -------------------------------------------------------------------
 
-    def _admit(self, request: web.Request) -> Tenant | web.Response:
-        """The caller's tenant, or the answer that turns it away (401, 429)."""
+    def admit(self, inbound: Inbound, sink: Sink) -> Tenant | None:
+        """The caller's tenant; or None, having turned it away through `sink` (401, 429)."""
         if not self.keys.enabled:
             return ANONYMOUS
-        tenant = self.keys.authenticate(request.headers.get("Authorization"))
+        tenant = self.keys.authenticate(inbound.header("authorization"))
         if tenant is None:
-            return openai_error(
-                401, "missing or unknown API key (Authorization: Bearer <key>)", "invalid_api_key"
+            send_error(
+                sink,
+                401,
+                "missing or unknown API key (Authorization: Bearer <key>)",
+                "invalid_api_key",
             )
+            return None
         wait = self.keys.admit(tenant)
         if wait > 0:
             self.instruments.rate_limited(tenant.name)
-            return openai_error(
+            send_error(
+                sink,
                 429,
                 f"rate limit of tenant {tenant.name!r} exceeded; retry in {wait:.2f} s",
                 "rate_limited",
                 **{"Retry-After": str(max(1, math.ceil(wait)))},
             )
+            return None
         return tenant
 
     def _affinity_key(self, body: _OpenAIBody) -> str:
@@ -248,7 +291,7 @@ class Proxy:
                 return ""
 
     @contextlib.contextmanager
-    def _in_flight_here(self) -> Iterator[None]:
+    def in_flight_here(self) -> Iterator[None]:
         """The current handler, known to cut_in_flight() while inside."""
         task = asyncio.current_task()
         if task is None:
@@ -264,7 +307,8 @@ class Proxy:
 
     async def _forward(
         self,
-        request: web.Request,
+        inbound: Inbound,
+        sink: Sink,
         tenant: Tenant,
         cluster: str,
         path: str,
@@ -272,18 +316,16 @@ class Proxy:
         key: str,
         *,
         repeatable: bool,
-    ) -> web.StreamResponse:
+    ) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        request_id = request.headers.get("X-Request-Id") or self.new_request_id()
+        request_id = inbound.header("x-request-id") or self.new_request_id()
+        headers = [(k, v) for k, v in inbound.header_items() if k.lower() not in _DROP]
+        headers.append(("X-Request-Id", request_id))
         upstream = UpstreamRequest(
-            method=request.method,
+            method=inbound.method,
             path=path,
-            # str(): aiohttp's names are `istr`, which a tunnel frame cannot encode.
-            headers=[
-                *((str(k), v) for k, v in request.headers.items() if k.lower() not in _DROP),
-                ("X-Request-Id", request_id),
-            ],
+            headers=headers,
             body=body,
             request_id=request_id,
             first_byte_timeout=0.0,
@@ -314,24 +356,28 @@ class Proxy:
         try:
             if self.router.position == 0:
                 status = 503
-                return _with_id(
-                    openai_error(
-                        503,
-                        "the gateway has not received a routing table yet",
-                        "not_ready",
-                        **{"Retry-After": "1"},
-                    ),
+                send_error(
+                    sink,
+                    503,
+                    "the gateway has not received a routing table yet",
+                    "not_ready",
                     request_id,
+                    **{"Retry-After": "1"},
                 )
+                return
             cluster = self.router.resolve(cluster)
             label = cluster if self.router.known(cluster) else "unknown"
             if not tenant.reaches(cluster):
                 # Another tenant's cluster does not exist, as far as this key can tell.
                 label, status = "unknown", 404
-                return _with_id(
-                    openai_error(404, f"The model `{cluster}` does not exist", "model_not_found"),
+                send_error(
+                    sink,
+                    404,
+                    f"The model `{cluster}` does not exist",
+                    "model_not_found",
                     request_id,
                 )
+                return
             broken: StreamBroken | None = None
             for _ in range(self.dispatcher.policy.max_attempts):
                 try:
@@ -340,48 +386,49 @@ class Proxy:
                     )
                 except _TooLarge as exc:
                     status = 413
-                    return _with_id(openai_error(413, str(exc), "too_large"), request_id)
+                    send_error(sink, 413, str(exc), "too_large", request_id)
+                    return
                 except UnknownCluster:
                     models = self.router.models()
                     reachable = [m for m in models if tenant.reaches(self.router.resolve(m))]
                     known = ", ".join(reachable) or "none"
                     status = 404
-                    return _with_id(
-                        openai_error(
-                            404,
-                            f"The model `{cluster}` does not exist (known: {known})",
-                            "model_not_found",
-                        ),
+                    send_error(
+                        sink,
+                        404,
+                        f"The model `{cluster}` does not exist (known: {known})",
+                        "model_not_found",
                         request_id,
                     )
+                    return
                 except NoReadyReplica as exc:
                     status = 503
-                    return _with_id(
-                        openai_error(
-                            503,
-                            f"cluster {cluster!r} has no ready replica",
-                            "no_ready_replica",
-                            **{"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
-                        ),
+                    send_error(
+                        sink,
+                        503,
+                        f"cluster {cluster!r} has no ready replica",
+                        "no_ready_replica",
                         request_id,
+                        **{"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
                     )
+                    return
                 except AttemptsExhausted as exc:
                     timed_out = isinstance(exc.last, FirstByteTimeout)
                     status = 504 if timed_out else 502
                     why = ""
                     if not repeatable and not exc.last.never_delivered:
-                        why = "; " + _not_repeated(request.method)
-                    return _with_id(
-                        openai_error(
-                            status,
-                            f"no replica of {cluster!r} answered after {exc.attempts} "
-                            f"attempt(s); last: {exc.last}{why}",
-                            exc.last.outcome,
-                        ),
+                        why = "; " + _not_repeated(inbound.method)
+                    send_error(
+                        sink,
+                        status,
+                        f"no replica of {cluster!r} answered after {exc.attempts} "
+                        f"attempt(s); last: {exc.last}{why}",
+                        exc.last.outcome,
                         request_id,
                     )
+                    return
                 self.instruments.first_byte(label, loop.time() - started)
-                if not answer.event_stream:
+                if not answer.event_stream and not answer.complete:
                     try:
                         await self._buffer(answer, started)
                     except StreamBroken as exc:
@@ -393,35 +440,37 @@ class Proxy:
                         if repeatable:
                             continue
                         status = 502
-                        return _with_id(
-                            openai_error(
-                                502,
-                                f"the answer broke off before its end ({exc}); "
-                                + _not_repeated(request.method),
-                                "reset",
-                            ),
+                        send_error(
+                            sink,
+                            502,
+                            f"the answer broke off before its end ({exc}); "
+                            + _not_repeated(inbound.method),
+                            "reset",
                             request_id,
                         )
+                        return
                     except TimeoutError:
                         self._finish(route, "first_byte_timeout")
                         await answer.response.aclose()
                         status = 504
-                        return _with_id(
-                            openai_error(
-                                504,
-                                f"the answer was not complete within "
-                                f"{self.settings.body_timeout_s:g} s",
-                                "timeout",
-                            ),
+                        send_error(
+                            sink,
+                            504,
+                            f"the answer was not complete within "
+                            f"{self.settings.body_timeout_s:g} s",
+                            "timeout",
                             request_id,
                         )
+                        return
                 status = answer.response.status
-                return await self._respond(request, label, route, answer, request_id)
+                await self._respond(sink, label, route, answer, request_id)
+                return
             status = 502
-            return _with_id(
-                openai_error(
-                    502, f"every answer broke off before its end; last: {broken}", "reset"
-                ),
+            send_error(
+                sink,
+                502,
+                f"every answer broke off before its end; last: {broken}",
+                "reset",
                 request_id,
             )
         finally:
@@ -431,7 +480,7 @@ class Proxy:
                 self.log.info(
                     "request",
                     request_id=request_id,
-                    method=request.method,
+                    method=inbound.method,
                     path=path,
                     cluster=cluster,
                     replica=route.replica_id if route else None,
@@ -466,6 +515,11 @@ class Proxy:
                 raise ResetBeforeHead(
                     route.replica_id, f"stream ended before its first chunk: {exc.detail}"
                 ) from exc
+        elif getattr(response, "complete", False):
+            # The whole body came with the head (the usual non-streaming answer over the
+            # direct transport): no reader, no timer.
+            answer.buffered.append(response.take_buffered())  # type: ignore[attr-defined]
+            answer.complete = True
         return answer
 
     async def _buffer(self, answer: _Answer, started: float) -> None:
@@ -488,29 +542,45 @@ class Proxy:
 
     async def _respond(
         self,
-        request: web.Request,
+        sink: Sink,
         cluster: str,
         route: RouteEntry,
         answer: _Answer,
         request_id: str,
-    ) -> web.StreamResponse:
+    ) -> None:
         upstream = answer.response
         headers = [(k, v) for k, v in upstream.headers if k.lower() != "x-request-id"]
+        headers.append(("X-Request-Id", request_id))
         if answer.complete:
             self._finish(route, "ok")
-            response = web.Response(status=upstream.status, body=b"".join(answer.buffered))
-            _copy_headers(response, headers, request_id)
-            return response
-        stream = web.StreamResponse(status=upstream.status)
-        _copy_headers(stream, headers, request_id)
+            buffered = answer.buffered
+            sink.send(
+                upstream.status, headers, buffered[0] if len(buffered) == 1 else b"".join(buffered)
+            )
+            await upstream.aclose()
+            return
         outcome: Any = "cancelled"
         task = asyncio.current_task()
         try:
-            await stream.prepare(request)
-            for chunk in answer.buffered:
-                await stream.write(chunk)
-            async for chunk in answer.body:
-                await stream.write(chunk)
+            buffered = answer.buffered
+            await sink.start(upstream.status, headers, buffered[0] if buffered else b"")
+            for chunk in buffered[1:]:
+                await sink.write(chunk)
+            relay = getattr(upstream, "relay", None)
+            writer = sink.relay_writer(cast(FlowControlled, upstream)) if relay else None
+            if relay is not None and writer is not None:
+                # Both ends can: each chunk goes from the replica's socket to the client's in
+                # the replica connection's read callback, with no task wake-up per chunk.
+                try:
+                    await relay(writer)
+                finally:
+                    sink.relay_done()
+                    close = getattr(answer.body, "aclose", None)
+                    if close is not None:
+                        await close()  # the iterator the first chunk came from
+            else:
+                async for chunk in answer.body:
+                    await sink.write(chunk)
             outcome = "ok"
         except StreamBroken as exc:
             outcome = "stream_broken"
@@ -524,21 +594,20 @@ class Proxy:
             )
             if answer.event_stream:
                 message = f"the replica failed mid-stream ({exc.detail}); the answer is incomplete"
-                await _write_quietly(stream, _sse_error(message, "stream_broken", request_id))
+                await _write_quietly(sink, _sse_error(message, "stream_broken", request_id))
             else:
                 # No in-band way to say it: drop the connection so that the client sees an
                 # incomplete body, never a complete-looking truncated one.
-                if request.transport is not None:
-                    request.transport.abort()
-                return stream
+                sink.abort()
+                return
         except ConnectionResetError:
             raise  # the client went away; `finally` records it as cancelled
         except asyncio.CancelledError:
-            # The client went away (aiohttp cancels its handler), or cut_in_flight() ended the
+            # The client went away (its handler is cancelled), or cut_in_flight() ended the
             # shutdown grace while the client is still connected.
             if not (self._cut and task is not None and answer.event_stream):
                 raise
-            if _client_gone(request):
+            if sink.client_gone():
                 raise
             task.uncancel()  # our own cut, handled here: the handler ends normally
             # Counted as a cut stream; the outcome stays "cancelled", no fault of the replica's.
@@ -547,14 +616,18 @@ class Proxy:
             message = (
                 "the gateway is shutting down and its grace period ended; the answer is incomplete"
             )
-            await _write_quietly(stream, _sse_error(message, "gateway_shutdown", request_id))
+            await _write_quietly(sink, _sse_error(message, "gateway_shutdown", request_id))
         finally:
             ejection = self.router.finished(route, outcome)
             if ejection is not None:
                 self.dispatcher.on_ejection(ejection)
             await upstream.aclose()
-        await _write_eof_quietly(stream)
-        return stream
+        await sink.end()
+
+
+def _answer(sink: AiohttpSink) -> web.StreamResponse:
+    assert sink.response is not None, "the proxy always answers"
+    return sink.response
 
 
 def _is_event_stream(headers: Sequence[tuple[str, str]]) -> bool:
@@ -562,14 +635,6 @@ def _is_event_stream(headers: Sequence[tuple[str, str]]) -> bool:
         if name.lower() == "content-type":
             return value.startswith("text/event-stream")
     return False
-
-
-def _copy_headers(
-    response: web.StreamResponse, headers: Sequence[tuple[str, str]], request_id: str
-) -> None:
-    for name, value in headers:
-        response.headers.add(name, value)
-    response.headers["X-Request-Id"] = request_id
 
 
 def _sse_error(message: str, code: str, request_id: str) -> bytes:
@@ -582,30 +647,18 @@ def _sse_error(message: str, code: str, request_id: str) -> bytes:
             "request_id": request_id,
         }
     }
-    return b"event: error\ndata: " + _ERROR.encode(error) + b"\n\n"
+    return b"event: error\ndata: " + _JSON.encode(error) + b"\n\n"
 
 
 def _not_repeated(method: str) -> str:
     return f"not retried: a {method} is repeated only with an Idempotency-Key"
 
 
-def _client_gone(request: web.Request) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()
-
-
-async def _write_quietly(stream: web.StreamResponse, data: bytes) -> None:
+async def _write_quietly(sink: Sink, data: bytes) -> None:
     try:
-        await stream.write(data)
+        await sink.write(data)
     except ConnectionResetError:
         pass
 
 
-async def _write_eof_quietly(stream: web.StreamResponse) -> None:
-    try:
-        await stream.write_eof()
-    except ConnectionResetError:
-        pass
-
-
-__all__ = ["Proxy", "ProxySettings", "openai_error"]
+__all__ = ["Proxy", "ProxySettings", "openai_error", "send_error"]

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import msgspec
 import structlog
-from aiohttp import web
 
 from actors.env import Bus, BusError, Clock, RandomSource
 from events import subjects
@@ -25,6 +24,7 @@ from .app import build_app
 from .auth import KeyRing
 from .dispatch import Dispatcher
 from .feed import RoutingFeed
+from .front import Front
 from .http_protocol import GatewayRunner
 from .instruments import Instruments
 from .metrics import Registry
@@ -149,10 +149,28 @@ class Gateway:
             lingering_time=2.0,
         )
         await runner.setup()
+        assert runner.server is not None
+        # Every connection starts at the front; it hands aiohttp what it does not serve itself.
+        front = Front(
+            self.proxy,
+            runner.server,
+            max_body_bytes=self.config.max_body_bytes,
+            header_timeout_s=self.config.header_timeout_s,
+            request_body_timeout_s=self.config.request_body_timeout_s,
+            log=self.log,
+        )
+        loop = asyncio.get_running_loop()
+        listener: asyncio.Server | None = None
         try:
-            site = web.TCPSite(runner, self.config.host, self.config.port, ssl_context=self._tls())
-            await site.start()
-            port = runner.addresses[0][1]
+            listener = await loop.create_server(
+                front,
+                self.config.host,
+                self.config.port,
+                ssl=self._tls(),
+                backlog=4096,
+                reuse_address=True,
+            )
+            port = listener.sockets[0].getsockname()[1]
             scheme = "https" if self.config.tls_cert else "http"
             self.url = f"{scheme}://{self.config.host}:{port}"
             if not self.keys.enabled:
@@ -166,10 +184,15 @@ class Gateway:
             # Stop listening and wait for in-flight requests; when the grace ends, cut what is
             # still running ourselves: aiohttp's own cut comes only after twice its timeout, and
             # closes the connection before a handler could tell its client why.
-            loop = asyncio.get_running_loop()
+            if listener is not None:
+                listener.close()
             cut = loop.call_later(self.config.shutdown_grace_s, self.proxy.cut_in_flight)
             try:
-                await runner.cleanup()
+                async with asyncio.TaskGroup() as stopping:
+                    stopping.create_task(
+                        front.shutdown(self.config.shutdown_grace_s + _AFTER_GRACE_S)
+                    )
+                    stopping.create_task(runner.cleanup())
             finally:
                 cut.cancel()
             await self.transport.close()

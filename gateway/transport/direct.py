@@ -1,16 +1,15 @@
 """The direct transport: HTTP from the gateway to the replica's address, over a keep-alive pool.
 
-One aiohttp ClientSession for every replica: its connector keeps idle connections per host, so
-a busy replica is reached without a TCP handshake per request.
+One `HttpClient` for every replica: it keeps idle connections per host, so a busy replica is
+reached without a TCP handshake per request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
-from collections.abc import AsyncIterator, Sequence
-
-import aiohttp
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from urllib.parse import quote, urlsplit
 
 from events.messages import RouteEntry
 from events.tunnel import HOP_BY_HOP, NOT_DELIVERED_HEADER
@@ -22,43 +21,74 @@ from .base import (
     StreamBroken,
     UpstreamRequest,
 )
+from .http_client import BodyError, ConnectError, HeadError, HeadTimeout, HttpClient, Response
+
+# Methods whose request carries a body by definition: they say Content-Length even when empty.
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# A request target that may go on the request line as it is; anything else is percent-encoded.
+_PLAIN_TARGET = re.compile(r"/[\x21-\x7e]*")
+_NOT_DELIVERED = NOT_DELIVERED_HEADER.lower()
 
 
 class DirectResponse:
-    def __init__(self, replica_id: str, response: aiohttp.ClientResponse) -> None:
+    __slots__ = ("_idle_timeout", "_replica_id", "_response", "content_length", "headers", "status")
+
+    def __init__(self, replica_id: str, response: Response, idle_timeout: float) -> None:
+        head = response.head
+        assert head is not None
         self._replica_id = replica_id
         self._response = response
-        self.status = response.status
+        self._idle_timeout = idle_timeout
+        self.status = head.status
         self.headers: Sequence[tuple[str, str]] = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in response.raw_headers
-            if k.decode("latin-1").lower() not in HOP_BY_HOP
+            (k, v) for k, v in head.headers if k.lower() not in HOP_BY_HOP
         ]
-        self.content_length = response.content_length
+        self.content_length = head.content_length
+
+    @property
+    def complete(self) -> bool:
+        """The whole body has arrived (`take_buffered()` returns all of it)."""
+        return self._response.complete
+
+    def take_buffered(self) -> bytes:
+        return self._response.take_buffered()
+
+    async def next_chunk(self) -> bytes | None:
+        """The next piece of the body, None at its end, or StreamBroken."""
+        try:
+            return await self._response.next_chunk(self._idle_timeout)
+        except BodyError as exc:
+            raise StreamBroken(self._replica_id, str(exc)) from exc
+
+    async def relay(self, consumer: Callable[[bytes], None]) -> None:
+        """The rest of the body to `consumer` as it arrives (see Response.relay)."""
+        try:
+            await self._response.relay(consumer, self._idle_timeout)
+        except BodyError as exc:
+            raise StreamBroken(self._replica_id, str(exc)) from exc
+
+    def pause(self) -> None:
+        self._response.pause()
+
+    def resume(self) -> None:
+        self._response.resume()
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
-            async for chunk in self._response.content.iter_any():
+            while (chunk := await self.next_chunk()) is not None:
                 yield chunk
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise StreamBroken(self._replica_id, _describe(exc)) from exc
         finally:
-            self._response.release()
+            self._response.close()
 
     async def read(self) -> bytes:
         """The whole body (a non-streaming answer), or StreamBroken."""
-        try:
-            return await self._response.read()
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise StreamBroken(self._replica_id, _describe(exc)) from exc
-        finally:
-            self._response.release()
+        parts = [chunk async for chunk in self.chunks()]
+        return b"".join(parts)
 
     async def aclose(self) -> None:
-        # Closing (not releasing) a response whose body was not read to the end drops the
-        # connection: the replica sees the client go away and can stop generating.
-        if not self._response.closed:
-            self._response.close()
+        # A body not read to the end drops the connection: the replica sees the client go away
+        # and can stop generating.
+        self._response.close()
 
 
 class DirectTransport:
@@ -67,79 +97,76 @@ class DirectTransport:
     def __init__(
         self, *, connect_timeout: float = 2.0, pool_per_host: int = 0, idle_timeout: float = 60.0
     ) -> None:
-        self._connect_timeout = connect_timeout
         # A replica that goes silent this long mid-answer (power loss, partition: no RST ever
         # comes) breaks the stream instead of hanging it forever. Same default as the overlay.
         self._idle_timeout = idle_timeout
-        self._pool_per_host = pool_per_host
-        self._session: aiohttp.ClientSession | None = None
+        self._client = HttpClient(connect_timeout=connect_timeout)
+        self._addresses: dict[str, tuple[str, int, str, str]] = {}
+        del pool_per_host  # kept for callers; the pool opens what concurrent requests need
 
-    def _client(self) -> aiohttp.ClientSession:
-        # Created lazily, on the running loop that will use it.
-        if self._session is None:
-            connector = aiohttp.TCPConnector(
-                limit=0, limit_per_host=self._pool_per_host, keepalive_timeout=60.0
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                auto_decompress=False,  # pass bytes through as the replica sent them
-                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-                timeout=aiohttp.ClientTimeout(
-                    total=None, sock_connect=self._connect_timeout, sock_read=self._idle_timeout
-                ),
-            )
-        return self._session
+    def _target(self, address: str) -> tuple[str, int, str, str]:
+        """host, port, the Host header, the path prefix (a node's front serves under one)."""
+        parsed = self._addresses.get(address)
+        if parsed is None:
+            url = urlsplit(address)
+            if url.scheme != "http" or not url.hostname:
+                raise ValueError(f"not an http:// replica address: {address!r}")
+            port = url.port or 80
+            parsed = (url.hostname, port, url.netloc, url.path.rstrip("/"))
+            if len(self._addresses) > 10_000:
+                self._addresses.clear()  # addresses come and go with placements
+            self._addresses[address] = parsed
+        return parsed
 
     async def open(self, route: RouteEntry, request: UpstreamRequest) -> DirectResponse:
-        session = self._client()
         try:
-            async with asyncio.timeout(request.first_byte_timeout):
-                context = session.request(
-                    request.method,
-                    route.address + request.path,
-                    headers=list(request.headers),
-                    data=_payload(request.body),
-                    allow_redirects=False,
-                    compress=False,
-                )
-                response = await context
-        except aiohttp.ConnectionTimeoutError as exc:
-            # A TimeoutError too, but of the connection (a node that drops SYNs): checked first.
-            raise ConnectFailed(route.replica_id, _describe(exc)) from exc
-        except TimeoutError as exc:
+            host, port, authority, prefix = self._target(route.address)
+        except ValueError as exc:
+            raise ConnectFailed(route.replica_id, str(exc)) from exc
+        path = request.path if _PLAIN_TARGET.fullmatch(request.path) else _quote(request.path)
+        lines = [f"{request.method} {prefix}{path} HTTP/1.1\r\nHost: {authority}\r\n"]
+        lines.extend(f"{name}: {value}\r\n" for name, value in request.headers)
+        body = request.body
+        if body or request.method in _BODY_METHODS:
+            lines.append(f"Content-Length: {len(body)}\r\n")
+        lines.append("\r\n")
+        data = "".join(lines).encode("utf-8", "surrogateescape")
+        if body:
+            data += body
+        deadline = asyncio.get_running_loop().time() + request.first_byte_timeout
+        try:
+            response = await self._client.request(host, port, request.method, data, deadline)
+        except ConnectError as exc:
+            raise ConnectFailed(route.replica_id, str(exc)) from exc
+        except HeadTimeout as exc:
             raise FirstByteTimeout(
                 route.replica_id, f"no response head within {request.first_byte_timeout:g} s"
             ) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise ConnectFailed(route.replica_id, _describe(exc)) from exc
-        except (aiohttp.ClientError, OSError) as exc:
+        except HeadError as exc:
             # Connected, so the request may have reached the workload: not a connect failure.
-            raise ResetBeforeHead(route.replica_id, _describe(exc)) from exc
-        refused = response.status >= 500 and response.headers.get(NOT_DELIVERED_HEADER)
-        if refused:
-            # The node's front refused it before the workload saw it (fenced, say): like the
-            # overlay's refusals, a connect failure, so even a POST may try another replica.
-            response.close()
-            raise ConnectFailed(route.replica_id, f"{response.status} {refused} from the node")
-        return DirectResponse(route.replica_id, response)
+            raise ResetBeforeHead(route.replica_id, str(exc)) from exc
+        answer = DirectResponse(route.replica_id, response, self._idle_timeout)
+        if answer.status >= 500:
+            refused = _header(response, _NOT_DELIVERED)
+            if refused:
+                # The node's front refused it before the workload saw it (fenced, say): like
+                # the overlay's refusals, a connect failure, so even a POST may try another.
+                response.close()
+                raise ConnectFailed(route.replica_id, f"{answer.status} {refused} from the node")
+        return answer
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._client.close()
 
 
-_LARGE = 1024 * 1024
+def _header(response: Response, lower_name: str) -> str:
+    assert response.head is not None
+    for name, value in response.head.headers:
+        if name.lower() == lower_name:
+            return value
+    return ""
 
 
-def _payload(body: bytes) -> bytes | io.BytesIO | None:
-    # aiohttp writes a large bytes body in one go and warns that it may block the loop; a
-    # file-like object is written in pieces.
-    if not body:
-        return None
-    return io.BytesIO(body) if len(body) > _LARGE else body
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return text.splitlines()[0] if text else type(exc).__name__
+def _quote(path: str) -> str:
+    # Percent-encode what may not stand on a request line, keep what is already encoded.
+    return quote(path, safe="/?&=%:@!$'()*+,;~-._[]#")
