@@ -171,10 +171,13 @@ def config_from(args: argparse.Namespace) -> Any:
 async def run_gateway(args: argparse.Namespace) -> int:
     import sys
 
+    import structlog
+
     from actors.cli import CommandFailed, credentials, run_until_stopped
     from actors.nats_bus import NatsBus
     from actors.real_env import LoopClock, seeded_rng_factory
 
+    from .access_log import access_log_for
     from .auth import KeyFileError, KeyRing
     from .server import Gateway
 
@@ -191,7 +194,13 @@ async def run_gateway(args: argparse.Namespace) -> int:
     )
     try:
         rng = seeded_rng_factory(int.from_bytes(os.urandom(8), "big"))("gateway")
-        gateway = Gateway(bus, config, keys, clock=LoopClock(), rng=rng)
+        access_log = access_log_for(
+            getattr(args, "log_format", "auto"),
+            getattr(args, "log_level", "info"),
+            structlog.get_logger("gpumesh.gateway").bind(gateway=config.gateway_id),
+            {"gateway": config.gateway_id},
+        )
+        gateway = Gateway(bus, config, keys, clock=LoopClock(), rng=rng, access_log=access_log)
         print(
             f"gateway: {config.transport} transport, NATS {url}, serving on "
             f"{'https' if config.tls_cert else 'http'}://{config.host}:{config.port}",

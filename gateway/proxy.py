@@ -22,6 +22,7 @@ from aiohttp import web
 from events.messages import RouteEntry
 from events.tunnel import HOP_BY_HOP
 
+from .access_log import AccessLog, StructlogAccessLog
 from .auth import ANONYMOUS, KeyRing, Tenant
 from .dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
 from .instruments import Instruments
@@ -132,7 +133,9 @@ class Proxy:
         keys: KeyRing,
         settings: ProxySettings,
         log: Any,
+        access_log: AccessLog | None = None,
     ) -> None:
+        self.access_log = access_log or StructlogAccessLog(log)
         self.router = router
         self.dispatcher = dispatcher
         self.transport = transport
@@ -477,16 +480,17 @@ class Proxy:
             elapsed = loop.time() - started
             self.instruments.request(label, status, elapsed)
             if self.settings.access_log:
-                self.log.info(
-                    "request",
-                    request_id=request_id,
-                    method=inbound.method,
-                    path=path,
-                    cluster=cluster,
-                    replica=route.replica_id if route else None,
-                    status=status,
-                    attempts=attempts,
-                    duration_ms=round(elapsed * 1000, 2),
+                self.access_log.request(
+                    {
+                        "request_id": request_id,
+                        "method": inbound.method,
+                        "path": path,
+                        "cluster": cluster,
+                        "replica": route.replica_id if route else None,
+                        "status": status,
+                        "attempts": attempts,
+                        "duration_ms": round(elapsed * 1000, 2),
+                    }
                 )
 
     def _finish(self, route: RouteEntry, outcome: Outcome) -> None:

@@ -20,6 +20,7 @@ from actors.env import Bus, BusError, Clock, RandomSource
 from events import subjects
 from events.messages import ReplicaSuspicion
 
+from .access_log import AccessLog
 from .app import build_app
 from .auth import KeyRing
 from .dispatch import Dispatcher
@@ -72,6 +73,7 @@ class Gateway:
         clock: Clock,
         rng: RandomSource,
         log: Any = None,
+        access_log: AccessLog | None = None,
     ) -> None:
         self.config = config
         self.bus = bus
@@ -97,6 +99,7 @@ class Gateway:
                 request_body_timeout_s=config.request_body_timeout_s,
             ),
             self.log,
+            access_log,
         )
         self.feed = RoutingFeed(bus, self.router, self.dispatcher, self.log)
         self._suspicions: asyncio.Queue[Ejection] = asyncio.Queue(_SUSPICIONS_QUEUED)
@@ -195,6 +198,7 @@ class Gateway:
                     stopping.create_task(runner.cleanup())
             finally:
                 cut.cancel()
+                self.proxy.access_log.flush()
             await self.transport.close()
 
     def _tls(self) -> ssl.SSLContext | None:

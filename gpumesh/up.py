@@ -280,8 +280,11 @@ async def _demo(bus: Any, controller: Any, stop: asyncio.Event) -> None:
 
 
 def _gateway(args: argparse.Namespace, bus: Any) -> Any:
+    import structlog
+
     from actors.cli import CommandFailed
     from actors.real_env import LoopClock, seeded_rng_factory
+    from gateway.access_log import access_log_for
     from gateway.auth import KeyFileError, KeyRing
     from gateway.cli import parse_listen
     from gateway.server import Gateway, GatewayConfig
@@ -295,7 +298,13 @@ def _gateway(args: argparse.Namespace, bus: Any) -> Any:
         gateway_id=f"gw-up-{os.getpid()}", host=host, port=port, transport=args.transport
     )
     rng = seeded_rng_factory(int.from_bytes(os.urandom(8), "big"))("gateway")
-    return Gateway(bus, config, keys, clock=LoopClock(), rng=rng)
+    access_log = access_log_for(
+        getattr(args, "log_format", "auto"),
+        getattr(args, "log_level", "info"),
+        structlog.get_logger("gpumesh.gateway").bind(gateway=config.gateway_id),
+        {"gateway": config.gateway_id},
+    )
+    return Gateway(bus, config, keys, clock=LoopClock(), rng=rng, access_log=access_log)
 
 
 async def _started(gateway: Any, task: asyncio.Task[None]) -> None:
