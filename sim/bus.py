@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+from collections import deque
 from collections.abc import AsyncIterator, Iterable
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from actors.env import Msg, NoResponders, RequestTimeout
 
@@ -35,13 +36,71 @@ class SubscriptionOwner(Protocol):
     def _remove(self, sub: MemorySubscription) -> None: ...
 
 
+T = TypeVar("T")
+
+
+class Inbox(Generic[T]):
+    """An unbounded asyncio.Queue with only what a subscription uses (put_nowait, get,
+    get_nowait, empty, qsize) and the same semantics: items in order, waiting getters woken in
+    order, a getter cancelled after it was woken passes the wake-up on. Every simulated message
+    goes through one; asyncio.Queue's bookkeeping for bounds and `join` (half a dozen calls per
+    message) bought nothing here."""
+
+    __slots__ = ("_getters", "_items")
+
+    def __init__(self) -> None:
+        self._items: deque[T] = deque()
+        self._getters: deque[asyncio.Future[None]] = deque()
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def put_nowait(self, item: T) -> None:
+        self._items.append(item)
+        self._wake_one()
+
+    def get_nowait(self) -> T:
+        if not self._items:
+            raise asyncio.QueueEmpty
+        return self._items.popleft()
+
+    async def get(self) -> T:
+        items = self._items
+        while not items:
+            getter = asyncio.get_running_loop().create_future()
+            self._getters.append(getter)
+            try:
+                await getter
+            except BaseException:
+                getter.cancel()  # no-op if it was already woken
+                try:
+                    self._getters.remove(getter)
+                except ValueError:
+                    pass  # it was woken (and so taken off the list) before it was cancelled
+                if items and not getter.cancelled():
+                    self._wake_one()  # the wake-up it got, for the next getter
+                raise
+        return items.popleft()
+
+    def _wake_one(self) -> None:
+        getters = self._getters
+        while getters:
+            getter = getters.popleft()
+            if not getter.done():
+                getter.set_result(None)
+                return
+
+
 class MemorySubscription:
     def __init__(self, bus: SubscriptionOwner, subject: str, queue: str, sid: int) -> None:
         self.bus = bus
         self.subject = subject
         self.queue = queue
         self.sid = sid
-        self._inbox: asyncio.Queue[Msg | None] = asyncio.Queue()
+        self._inbox: Inbox[Msg | None] = Inbox()
         self.closed = False
 
     def deliver(self, msg: Msg) -> None:
@@ -75,14 +134,14 @@ class MemorySubscription:
 S = TypeVar("S", bound=MemorySubscription)
 
 
-def route(subs: Iterable[S], subject: str, turns: dict[str, int]) -> list[S]:
-    """The subscriptions a message on `subject` goes to, as a NATS server picks them: every
-    matching plain subscription, in subscription order, then one member of each matching queue
-    group, round-robin (`turns` keeps each group's count), groups in order of first member.
+Plan = tuple[list[S], list[tuple[str, list[S]]]]
 
-    As in nats-server, a queue group is its name alone: members on overlapping subjects
-    (`q.*` and `q.>` in group `g`) share one delivery.
-    """
+
+def plan(subs: Iterable[S], subject: str) -> Plan[S]:
+    """Who a message on `subject` may go to: the matching plain subscriptions in subscription
+    order, and the matching queue groups (name, members) in order of first member. `pick`
+    picks from it; a caller that routes the same subject to the same subscriptions again and
+    again may keep it."""
     plain: list[S] = []
     groups: dict[str, list[S]] = {}  # insertion-ordered: by first member, never by hash
     for sub in subs:
@@ -92,11 +151,32 @@ def route(subs: Iterable[S], subject: str, turns: dict[str, int]) -> list[S]:
             groups.setdefault(sub.queue, []).append(sub)
         else:
             plain.append(sub)
-    for name, members in groups.items():
+    return plain, list(groups.items())
+
+
+def pick(planned: Plan[S], turns: dict[str, int]) -> list[S]:
+    """The subscriptions one message goes to: every plain one, then one member of each queue
+    group, round-robin (`turns` keeps each group's count)."""
+    plain, groups = planned
+    if not groups:
+        return plain
+    targets = list(plain)
+    for name, members in groups:
         turn = turns.get(name, 0)
         turns[name] = turn + 1
-        plain.append(members[turn % len(members)])
-    return plain
+        targets.append(members[turn % len(members)])
+    return targets
+
+
+def route(subs: Iterable[S], subject: str, turns: dict[str, int]) -> list[S]:
+    """The subscriptions a message on `subject` goes to, as a NATS server picks them: every
+    matching plain subscription, in subscription order, then one member of each matching queue
+    group, round-robin (`turns` keeps each group's count), groups in order of first member.
+
+    As in nats-server, a queue group is its name alone: members on overlapping subjects
+    (`q.*` and `q.>` in group `g`) share one delivery.
+    """
+    return list(pick(plan(subs, subject), turns))
 
 
 class MemoryBus:

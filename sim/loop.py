@@ -6,9 +6,12 @@ Tasks keep their exact semantics, and a simulated day of hourly timers takes mil
 
 Most of a big simulation's time is the loop itself (one timer and a few callbacks per
 simulated message), so the loop replaces asyncio's scheduling core (`call_at`, `call_soon`,
-`_run_once`) with a leaner one for virtual time: timers sit in the heap as `(when, seq,
-handle)` tuples, compared in C instead of by `TimerHandle.__lt__`, and timers due at the same
-virtual instant run in the order they were scheduled (asyncio leaves that order to the heap).
+`_run_once`) with a leaner one for virtual time: timers due at the same virtual instant share
+one bucket, a list in scheduling order, and only the instants sit in a heap of floats. So
+timers due at the same instant run in the order they were scheduled (asyncio leaves that order
+to the heap), and a timer for an instant that already has one (a fleet's heartbeats, messages
+the network delivers on its tick) costs a dict lookup and an append instead of a heap push and
+pop.
 Debug mode (`PYTHONASYNCIODEBUG`) keeps asyncio's checks on scheduling (thread, callback);
 its slow-callback warning has nothing to measure here: virtual time stands still while a
 callback runs.
@@ -21,7 +24,6 @@ import contextlib
 import contextvars
 import gc
 import heapq
-import itertools
 import math
 import selectors
 from collections.abc import Callable, Coroutine, Iterator, Mapping
@@ -167,8 +169,9 @@ class SimEventLoop(asyncio.SelectorEventLoop):
 
     def __init__(self, start: float = 0.0) -> None:
         self._now = float(start)
-        self._timers: list[tuple[float, int, Any]] = []  # (when, seq, TimerHandle)
-        self._timer_seq = itertools.count()
+        self._timers: list[float] = []  # a heap of the instants that have a bucket
+        self._buckets: dict[float, list[Any]] = {}  # instant -> its TimerHandles, in order
+        self._timer_handles = 0  # in all buckets, cancelled ones included
         selector = _VirtualSelector(self)
         super().__init__(selector)
         selector.sealed = True
@@ -216,7 +219,13 @@ class SimEventLoop(asyncio.SelectorEventLoop):
             timer._scheduled = True  # type: ignore[attr-defined]
         else:
             timer = _Timer(when, callback, args, self, context)
-        _heappush(self._timers, (when, next(self._timer_seq), timer))
+        bucket = self._buckets.get(when)
+        if bucket is None:
+            self._buckets[when] = [timer]
+            _heappush(self._timers, when)
+        else:
+            bucket.append(timer)
+        self._timer_handles += 1
         return timer
 
     def _run_once(self) -> None:
@@ -225,50 +234,75 @@ class SimEventLoop(asyncio.SelectorEventLoop):
         The same steps as asyncio's `_run_once` without polling, without the clock-resolution
         slack (virtual time lands on a timer's `when` exactly) and with cheaper timers."""
         timers = self._timers
+        buckets = self._buckets
         ready: Any = self._ready  # type: ignore[attr-defined]
-        if self._timer_cancelled_count > _PURGE_AT and 2 * self._timer_cancelled_count > len(
-            timers
+        if self._timer_cancelled_count > _PURGE_AT and 2 * self._timer_cancelled_count > (
+            self._timer_handles
         ):
             self._purge_cancelled()
         if not ready:
-            while timers and timers[0][2]._cancelled:
-                _heappop(timers)[2]._scheduled = False
-                self._timer_cancelled_count -= 1
+            # The clock may only move to an instant with a live timer: drop the dead buckets
+            # in front (all of whose timers were cancelled).
+            while timers:
+                bucket = buckets[timers[0]]
+                if not all(handle._cancelled for handle in bucket):
+                    break
+                self._drop(_heappop(timers))
             if not timers:
                 if not self._stopping:  # type: ignore[attr-defined]
                     self._deadlock()
                 return
-            if not self._stopping and timers[0][0] > self._now:  # type: ignore[attr-defined]
-                if timers[0][0] == math.inf:
+            if not self._stopping and timers[0] > self._now:  # type: ignore[attr-defined]
+                if timers[0] == math.inf:
                     self._deadlock()  # `sleep(inf)` and the like: nothing will ever run again
-                self._now = timers[0][0]
+                self._now = timers[0]
         now = self._now
-        while timers and timers[0][0] <= now:
-            handle = _heappop(timers)[2]
-            handle._scheduled = False
-            if handle._cancelled:
-                self._timer_cancelled_count -= 1
-                continue
-            ready.append(handle)
+        while timers and timers[0] <= now:
+            bucket = buckets.pop(_heappop(timers))
+            self._timer_handles -= len(bucket)
+            for handle in bucket:
+                handle._scheduled = False
+                if handle._cancelled:
+                    self._timer_cancelled_count -= 1
+                else:
+                    ready.append(handle)
         for _ in range(len(ready)):
             handle = ready.popleft()
             if not handle._cancelled:
                 handle._run()
 
+    def _drop(self, when: float) -> None:
+        """Forget the bucket of `when`, every timer of which was cancelled."""
+        bucket = self._buckets.pop(when)
+        self._timer_handles -= len(bucket)
+        self._timer_cancelled_count -= len(bucket)
+        for handle in bucket:
+            handle._scheduled = False
+
     def _purge_cancelled(self) -> None:
-        kept = []
-        for entry in self._timers:
-            if entry[2]._cancelled:
-                entry[2]._scheduled = False
+        buckets = self._buckets
+        for when, bucket in list(buckets.items()):
+            kept = []
+            for handle in bucket:
+                if handle._cancelled:
+                    handle._scheduled = False
+                else:
+                    kept.append(handle)
+            if kept:
+                buckets[when] = kept
             else:
-                kept.append(entry)
-        heapq.heapify(kept)
-        self._timers[:] = kept  # in place: the turn in progress holds the list
+                del buckets[when]
+        # In place: the turn in progress holds these.
+        self._timers[:] = list(buckets)
+        heapq.heapify(self._timers)
+        self._timer_handles = sum(len(bucket) for bucket in buckets.values())
         self._timer_cancelled_count = 0
 
     def close(self) -> None:
         super().close()  # first: it refuses to close a running loop, and then nothing is lost
         self._timers.clear()
+        self._buckets.clear()
+        self._timer_handles = 0
 
     def _deadlock(self) -> None:
         waiting = sorted(_describe(task) for task in asyncio.all_tasks(self) if not task.done())

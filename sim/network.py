@@ -6,8 +6,15 @@ Every process gets its own `endpoint(name)`, a Bus (the actors.env protocol, plu
 publishing endpoint to the server, which routes it exactly as MemoryBus does (sim/bus.py's
 `route`: subject wildcards, every plain subscriber, one member per queue group round-robin),
 then crosses the link from the publisher to each subscriber's endpoint: the link's faults decide
-whether it is lost, when it arrives (`loop.call_at` on the virtual clock) and whether it comes
-twice. Per link, messages arrive in the order they were sent unless `reorder` holds one back.
+whether it is lost, when it arrives (on the virtual clock) and whether it comes twice. Per link,
+messages arrive in the order they were sent unless `reorder` holds one back.
+
+With `tick_s`, the server hands messages over on a tick, as nats-server flushes what it routed
+to each connection once per read loop rather than per message: the arrival time drawn for a
+message moves to the nearest multiple of `tick_s` that is still within the link's bounds (it
+stays as drawn when no tick falls within them). Messages due at the same instant arrive in one
+turn of the loop, in the order they were sent, with one timer between them; so a controller
+reads a fleet's heartbeats a batch per wake-up instead of one wake-up each.
 
 Two ways to cut an endpoint off, with the semantics of the real client (nats-py, NatsBus):
 
@@ -59,7 +66,7 @@ import structlog
 
 from actors.env import BusError, Msg, NoResponders, RandomSource, RequestTimeout
 
-from .bus import MemorySubscription, route, subject_matches
+from .bus import MemorySubscription, Plan, pick, plan, subject_matches
 
 log = structlog.get_logger("gpumesh.sim.network")
 
@@ -71,6 +78,7 @@ DEFAULT_EVICT_AFTER_S: Final = 300.0  # nats-server: ping_interval 2 min, ping_m
 _NO_RESPONDERS: Final = "503"  # the status a server sends for a request nobody listens to
 _PROTOCOL_OVERHEAD: Final = 16  # "PUB ... \r\n...\r\n", roughly, for the pending buffer
 _WILDCARD_HITS_KEPT: Final = 65_536  # subjects whose wildcard matches are remembered
+_LINKS_KEPT: Final = 65_536  # (src, dst) pairs whose link faults are remembered
 
 ReconnectCallback = Callable[[], Awaitable[None]]
 
@@ -306,6 +314,7 @@ class SimEndpoint:
         return evict is None or now - self.down_since < evict
 
     def _drop_connection(self) -> None:
+        self._net._plans.clear()
         self._reconnect_generation += 1  # a reconnect already scheduled is void
         self._reconnecting = False
         if self._connected:
@@ -334,6 +343,7 @@ class SimEndpoint:
         if self.closed or self._connected or self.isolated or self._net.server_down:
             return
         # nats-py's order: replay the subscriptions, flush the pending buffer, then callbacks.
+        self._net._plans.clear()
         self._connected = True
         self.session = self._net._server_epoch
         self.reconnects += 1
@@ -376,8 +386,12 @@ class SimNetwork:
         evict_after_s: float | None = DEFAULT_EVICT_AFTER_S,
         pending_size: int = DEFAULT_PENDING_SIZE,
         record: bool = False,
+        tick_s: float = 0.0,
     ) -> None:
+        if tick_s < 0:
+            raise ValueError("tick_s must be >= 0")
         self.rng = rng
+        self.tick_s = tick_s
         self.default = default
         self.reconnect_wait_s = reconnect_wait_s
         self.evict_after_s = evict_after_s
@@ -393,9 +407,16 @@ class SimNetwork:
         self._wildcard: list[SimSubscription] = []
         # subject -> the wildcard subscriptions matching it; emptied when those change.
         self._wildcard_hits: dict[str, list[SimSubscription]] = {}
+        # subject -> its routing plan, kept only while every subscription it names is live
+        # and connected; emptied whenever a subscription, a connection or the server changes.
+        self._plans: dict[str, Plan[SimSubscription]] = {}
         self._links: dict[tuple[str, str], LinkFaults] = {}
         self._cuts: set[tuple[str, str]] = set()  # membership tests only, never iterated
         self._lanes: dict[tuple[str, str], deque[_Flight]] = {}  # per link, in flight
+        # What arrives at each virtual instant, in the order it was sent: a link (its lane's
+        # oldest message) or a held-back message. One loop timer per instant, not per message.
+        self._due: dict[float, list[tuple[str, str] | _Flight]] = {}
+        self._resolved: dict[tuple[str, str], LinkFaults] = {}  # link(); emptied on set_link
         self._turns: dict[str, int] = {}
         self._sids = itertools.count(1)
         self._inboxes = itertools.count(1)
@@ -431,17 +452,27 @@ class SimNetwork:
         """Faults of the link src -> dst; either may be "*". The most specific entry wins:
         (src, dst), then (src, *), then (*, dst), then (*, *), then the network's default."""
         self._links[(src, dst)] = faults
+        self._resolved.clear()
 
     def clear_link(self, src: str, dst: str) -> None:
         self._links.pop((src, dst), None)
+        self._resolved.clear()
 
     def link(self, src: str, dst: str) -> LinkFaults:
+        resolved = self._resolved.get((src, dst))
+        if resolved is not None:
+            return resolved
         links = self._links
         for key in ((src, dst), (src, ANY), (ANY, dst), (ANY, ANY)):
             faults = links.get(key)
             if faults is not None:
-                return faults
-        return self.default
+                break
+        else:
+            faults = self.default
+        if len(self._resolved) >= _LINKS_KEPT:
+            self._resolved.clear()
+        self._resolved[(src, dst)] = faults
+        return faults
 
     def partition(
         self, side_a: Iterable[str], side_b: Iterable[str], *, one_way: bool = False
@@ -476,6 +507,8 @@ class SimNetwork:
     def cut(self, src: str, dst: str) -> bool:
         """Whether a message from endpoint `src` to endpoint `dst` is cut by a partition."""
         cuts = self._cuts
+        if not cuts:
+            return False
         return (src, dst) in cuts or (src, SERVER) in cuts or (SERVER, dst) in cuts
 
     def isolate(self, name: str) -> None:
@@ -496,6 +529,7 @@ class SimNetwork:
         if down == self.server_down:
             return
         self.server_down = down
+        self._plans.clear()
         if down:
             self._server_epoch += 1  # every session and every message in flight is lost
             self._turns.clear()
@@ -516,15 +550,19 @@ class SimNetwork:
     def _add(self, sub: SimSubscription) -> None:
         if _is_literal(sub.subject):
             self._literal.setdefault(sub.subject, []).append(sub)
+            self._plans.pop(sub.subject, None)  # a reply inbox: the only plan it changes
         else:
             self._wildcard.append(sub)
             self._wildcard_hits.clear()
+            self._plans.clear()
 
     def _discard(self, sub: SimSubscription) -> None:
         if not _is_literal(sub.subject):
             self._wildcard.remove(sub)
             self._wildcard_hits.clear()
+            self._plans.clear()
             return
+        self._plans.pop(sub.subject, None)
         same = self._literal[sub.subject]
         same.remove(sub)
         if not same:
@@ -543,12 +581,17 @@ class SimNetwork:
     def _route(self, sender: SimEndpoint, out: _Outgoing) -> None:
         """`out` leaves `sender` (connected) for the server, which routes it."""
         src, msg = sender.name, out.msg
-        if (src, SERVER) in self._cuts:
+        if self._cuts and (src, SERVER) in self._cuts:
             self._record(src, SERVER, msg, "partition")
             return
         self.stats.published += 1
         now = self._now()
         subject = msg.subject
+        planned = self._plans.get(subject)
+        if planned is not None:
+            for sub in pick(planned, self._turns):
+                self._transmit(src, sub, msg, now)
+            return
         matching = self._wildcard_hits.get(subject)
         if matching is None:
             if len(self._wildcard_hits) >= _WILDCARD_HITS_KEPT:
@@ -559,7 +602,13 @@ class SimNetwork:
         if literal:
             matching = sorted([*literal, *matching], key=_by_sid) if matching else literal
         live = [s for s in matching if s.known and s.endpoint._has_session(now)]
-        targets = route(live, subject, self._turns)
+        planned = plan(live, subject)
+        if len(live) == len(matching) and all(s.endpoint._connected for s in live):
+            # Nothing here can change without emptying the plans: reuse it for this subject.
+            if len(self._plans) >= _WILDCARD_HITS_KEPT:
+                self._plans.clear()
+            self._plans[subject] = planned
+        targets = pick(planned, self._turns)
         if not targets:
             self._record(src, SERVER, msg, "unrouted")
             if out.want_status:
@@ -573,54 +622,93 @@ class SimNetwork:
             self._transmit(src, sub, msg, now)
 
     def _transmit(self, src: str, sub: SimSubscription, msg: Msg, now: float) -> None:
-        """The server hands `msg` (from `src`) to `sub`: the link to its endpoint decides."""
+        """The server hands `msg` (from `src`) to `sub`: the link to its endpoint decides.
+
+        Every message to every subscriber comes through here, so the common case (no cut, a
+        link already resolved, no loss, duplicate or reorder) is spelled out inline."""
         receiver = sub.endpoint
         dst = receiver.name
-        if self.cut(src, dst):
+        key = (src, dst)
+        cuts = self._cuts
+        if cuts and (key in cuts or (src, SERVER) in cuts or (SERVER, dst) in cuts):
             self._record(src, dst, msg, "partition")
             return
         if not receiver._connected:
             self._record(src, dst, msg, "disconnected")
             return
         rng = self.rng
-        faults = self.link(src, dst)
+        faults = self._resolved.get(key) or self.link(src, dst)
         if faults.loss > 0 and rng.random() < faults.loss:
             self._record(src, dst, msg, "loss")
             return
         low, high = faults.latency_s
-        delay = rng.uniform(low, high) if high > low else low
+        # random.uniform's own formula, inline: the same draw, the same value.
+        delay = low + (high - low) * rng.random() if high > low else low
         copies = 1
         if faults.duplicate > 0 and rng.random() < faults.duplicate:
             copies = 2
             self.stats.duplicated += 1
         flight = _Flight(src, sub, msg, self._server_epoch, receiver.epoch)
-        loop = asyncio.get_running_loop()
+        what: tuple[str, str] | _Flight
         if faults.reorder > 0 and rng.random() < faults.reorder:
             self.stats.delayed += 1
-            low, high = faults.reorder_s
-            delay += rng.uniform(low, high) if high > low else low
-            for _ in range(copies):
-                loop.call_at(now + delay, self._arrive, flight)
-            return
-        key = (src, dst)
-        # FIFO per link, like the TCP connections underneath: the timers fire at the drawn
-        # times, and each hands over the oldest message still in flight on the link. So the
-        # arrival times are the drawn ones, sorted, and each message stays within its bounds:
-        # of the first k + 1 timers on a link one at least is for a message sent no earlier
-        # than message k, and the k + 1 timers of messages 0..k are due by its send + high.
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes[key] = deque()
-        for _ in range(copies):
+            held_low, held_high = faults.reorder_s
+            delay += rng.uniform(held_low, held_high) if held_high > held_low else held_low
+            at = now + delay
+            if self.tick_s:
+                at = self._on_tick(at, now + low + held_low, now + high + held_high)
+            what = flight  # held back: it arrives on its own, whatever else is on the link
+        else:
+            at = now + delay
+            if self.tick_s:
+                at = self._on_tick(at, now + low, now + high)
+            # FIFO per link, like the TCP connections underneath: the arrivals fire at the
+            # drawn times, and each hands over the oldest message still in flight on the link.
+            # So the arrival times are the drawn ones, sorted, and each message stays within
+            # its bounds: of the first k + 1 arrivals on a link one at least is for a message
+            # sent no earlier than message k, and the k + 1 arrivals of messages 0..k are due
+            # by its send + high.
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = deque()
             lane.append(flight)
-            loop.call_at(now + delay, self._arrive_in_order, key)
+            if copies == 2:
+                lane.append(flight)
+            what = key
+        due = self._due.get(at)
+        if due is None:
+            due = self._due[at] = []
+            asyncio.get_running_loop().call_at(at, self._arrive_all, at)
+        due.append(what)
+        if copies == 2:
+            due.append(what)
 
-    def _arrive_in_order(self, key: tuple[str, str]) -> None:
-        lane = self._lanes[key]
-        flight = lane.popleft()
-        if not lane:
-            del self._lanes[key]
-        self._arrive(flight)
+    def _on_tick(self, at: float, earliest: float, latest: float) -> float:
+        """The network's tick nearest to `at` within [earliest, latest], or `at` itself when
+        no tick falls in that window. The same tick is the same float for every message (a
+        multiple of `tick_s`), so whatever lands on it arrives in one turn of the loop."""
+        tick = self.tick_s
+        k = round(at / tick)
+        on = k * tick
+        if on < earliest:
+            on = (k + 1) * tick
+        elif on > latest:
+            on = (k - 1) * tick
+        return on if earliest <= on <= latest else at
+
+    def _arrive_all(self, at: float) -> None:
+        # Popped first: a zero-latency message sent while these are handed over is due at
+        # this same instant, and gets a timer (and a turn) of its own.
+        lanes = self._lanes
+        for what in self._due.pop(at):
+            if isinstance(what, _Flight):
+                self._arrive(what)
+                continue
+            lane = lanes[what]
+            flight = lane.popleft()
+            if not lane:
+                del lanes[what]
+            self._arrive(flight)
 
     def _arrive(self, flight: _Flight) -> None:
         sub, src, msg = flight.sub, flight.src, flight.msg
@@ -630,13 +718,16 @@ class SimNetwork:
             self._record(src, dst, msg, "outage")
         elif flight.session != receiver.epoch or not receiver._connected:
             self._record(src, dst, msg, "disconnected")
-        elif (src, dst) in self._cuts or (SERVER, dst) in self._cuts:
+        elif self._cuts and ((src, dst) in self._cuts or (SERVER, dst) in self._cuts):
             self._record(src, dst, msg, "partition")
         elif sub.closed:
             self._record(src, dst, msg, "unsubscribed")
         else:
             sub.deliver(msg)
-            self._record(src, dst, msg, "delivered")
+            if self.trace is None:
+                self.stats.delivered += 1  # `_record`'s count, without the call: the common case
+            else:
+                self._record(src, dst, msg, "delivered")
 
 
 def _is_literal(subject: str) -> bool:

@@ -44,6 +44,11 @@ from .scenario import FaultKind, FaultPlan, Scenario
 N = TypeVar("N")
 SERVICE_TIME_S = (0.02, 0.2)  # a replica's answer time, drawn per request
 CONNECT_TIMEOUT_S = 1.0  # an unreachable node: the TCP connect gives up after this
+# The simulated NATS server hands messages over on a half-millisecond tick (within each link's
+# latency bounds: SimNetwork's `tick_s`). Messages then meet at the same instants, so the
+# controller takes a fleet's heartbeats a batch per turn instead of a wake-up each, and records
+# them a batch per commit (`bench/sim.py --rows 1000:30`: about 1.4x faster).
+NETWORK_TICK_S = 0.0005
 
 
 class GatedCommands:
@@ -145,7 +150,7 @@ class World:
         self.seed = seed
         self.derive = SeededStreams(seed)
         self.log = log or structlog.get_logger("gpumesh.sim")
-        self.network = SimNetwork(self.derive("network"))
+        self.network = SimNetwork(self.derive("network"), tick_s=NETWORK_TICK_S)
         self.buggify = Buggify(seed, enabled=scenario.buggify)
         self.store = MemoryEventStore()
         self.queue = MemoryCommandQueue()

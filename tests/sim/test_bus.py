@@ -7,7 +7,7 @@ import pytest
 from actors.env import Msg, NoResponders, RequestTimeout
 from events import ClusterSpec
 from events.messages import StartReplica, StopReplica
-from sim.bus import MemoryBus, subject_matches
+from sim.bus import Inbox, MemoryBus, subject_matches
 from sim.commands import MemoryCommandQueue
 
 
@@ -80,3 +80,31 @@ async def test_command_queue_is_durable_and_deduplicated() -> None:
     assert again.command.command_id == "c2"
     await again.ack()
     assert queue.pending("n1") == []
+
+
+def test_an_inbox_hands_items_in_order_and_a_cancelled_getter_passes_its_wake_up_on() -> None:
+    """Inbox keeps asyncio.Queue's semantics: FIFO, waiting getters served in order, and a
+    getter cancelled after an item woke it leaves the item to the next getter."""
+
+    async def main() -> None:
+        inbox: Inbox[int] = Inbox()
+        inbox.put_nowait(1)
+        inbox.put_nowait(2)
+        assert inbox.qsize() == 2 and await inbox.get() == 1 and inbox.get_nowait() == 2
+        assert inbox.empty()
+        with pytest.raises(asyncio.QueueEmpty):
+            inbox.get_nowait()
+        first = asyncio.ensure_future(inbox.get())
+        second = asyncio.ensure_future(inbox.get())
+        await asyncio.sleep(0)  # both wait now
+        inbox.put_nowait(3)  # wakes the first...
+        first.cancel()  # ...which is cancelled before it runs
+        assert await asyncio.wait_for(second, 1) == 3
+        assert first.cancelled()
+        third = asyncio.ensure_future(inbox.get())
+        await asyncio.sleep(0)
+        inbox.put_nowait(4)
+        inbox.put_nowait(5)
+        assert await third == 4 and inbox.get_nowait() == 5
+
+    asyncio.run(main())

@@ -240,3 +240,30 @@ def test_a_refused_close_keeps_the_pending_timers() -> None:
         return loop.time()
 
     assert run_simulation(main()) == 5.0
+
+
+def test_timers_sharing_an_instant_fire_together_and_cancelled_ones_are_purged() -> None:
+    """Timers due at the same instant share one bucket: they fire in scheduling order, a
+    cancelled one among them does not fire, and buckets whose timers were all cancelled are
+    dropped (the purge counts handles, not instants) instead of piling up."""
+    fired: list[tuple[float, int]] = []
+
+    async def main() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, SimEventLoop)
+        handles = [loop.call_at(1.0, lambda i=i: fired.append((loop.time(), i))) for i in range(6)]
+        handles[2].cancel()
+        # 400 instants with a dead timer each, and one live timer among them.
+        dead = [loop.call_at(10.0 + i, fired.append, (-1.0, -1)) for i in range(400)]
+        loop.call_at(10.5, lambda: fired.append((loop.time(), 99)))
+        for handle in dead:
+            handle.cancel()
+        await asyncio.sleep(0)  # a turn: the purge runs at the start of one
+        kept = len(loop._buckets)
+        await asyncio.sleep(20.0)
+        return kept, len(loop._buckets)
+
+    kept, left = run_simulation(main())
+    assert fired == [(1.0, 0), (1.0, 1), (1.0, 3), (1.0, 4), (1.0, 5), (10.5, 99)]
+    assert kept <= 3  # the instants 1.0 and 10.5, and the sleep's own; not 400 dead ones
+    assert left == 0

@@ -616,3 +616,109 @@ def test_wildcard_subscriptions_made_or_dropped_after_a_subject_was_routed_take_
         return sum(1 for msg in items if msg is not None)  # None: the unsubscribe marker
 
     assert simulate(main) == [(1, 0, 0), (1, 1, 1), (1, 0, 1)]
+
+
+def test_literal_subscriptions_made_or_dropped_after_a_subject_was_routed_take_effect() -> None:
+    """The network keeps a routing plan per subject; a plain subscription to that subject, or
+    a queue-group member, subscribing or unsubscribing must replace it."""
+
+    async def main() -> list[list[int]]:
+        net = SimNetwork(random.Random(4))
+        sender = net.endpoint("a")
+        first = await net.endpoint("b").subscribe("jobs")
+        subs: list[MemorySubscription] = [first]
+        counts = []
+        for step in range(4):
+            if step == 1:
+                subs.append(await net.endpoint("c").subscribe("jobs"))
+                subs.append(await net.endpoint("d").subscribe("jobs", queue="w"))
+            if step == 2:
+                subs.append(await net.endpoint("e").subscribe("jobs", queue="w"))
+            if step == 3:
+                await first.unsubscribe()
+            for _ in range(2):
+                await sender.publish("jobs", b"x")
+            await asyncio.sleep(1.0)
+            counts.append([sum(1 for m in drain_all(sub) if m is not None) for sub in subs])
+        assert net.stats.dropped["unsubscribed"] == 0  # nothing was routed to the gone one
+        return counts
+
+    def drain_all(sub: MemorySubscription) -> list[Msg | None]:
+        return [sub._inbox.get_nowait() for _ in range(sub._inbox.qsize())]
+
+    assert simulate(main) == [[2], [2, 2, 2], [2, 2, 1, 1], [0, 2, 1, 1]]
+
+
+def test_on_a_tick_arrivals_land_on_it_within_the_link_bounds() -> None:
+    """With `tick_s`, an arrival moves to the nearest tick inside the link's latency bounds;
+    when no tick falls inside them it stays as drawn."""
+    tick = 0.001
+
+    async def delays(low: float, high: float) -> list[tuple[float, float]]:
+        net = SimNetwork(random.Random(5), default=LinkFaults(latency_s=(low, high)), tick_s=tick)
+        sender, sub = net.endpoint("a"), await net.endpoint("b").subscribe("t")
+        rng = random.Random(6)
+        out = []
+        for _ in range(300):
+            await asyncio.sleep(rng.uniform(0.0, 0.01))  # sends at arbitrary instants
+            sent = now()
+            await sender.publish("t", b"")
+            await sub.next_msg(1)
+            out.append((sent, now()))
+        return out
+
+    def on_tick(t: float) -> bool:
+        return abs(t / tick - round(t / tick)) < 1e-6
+
+    async def main() -> None:
+        wide = await delays(0.0005, 0.0035)
+        assert all(0.0005 - 1e-12 <= at - sent <= 0.0035 + 1e-12 for sent, at in wide)
+        assert all(on_tick(at) for _, at in wide)
+        assert len({round(at - sent, 4) for sent, at in wide}) > 10  # still spread
+        narrow = await delays(0.0012, 0.0014)  # a tick falls inside for a fifth of sends
+        assert all(0.0012 - 1e-12 <= at - sent <= 0.0014 + 1e-12 for sent, at in narrow)
+        off = sum(1 for _, at in narrow if not on_tick(at))
+        assert 150 < off < 300
+
+    simulate(main)
+
+
+def test_messages_due_at_one_tick_reach_a_subscriber_in_one_turn_in_send_order() -> None:
+    """Fifty nodes publish within 50 microseconds; on a 1 ms tick their messages arrive at
+    two instants at most, each batch in the order it was sent, and a subscriber's reader wakes
+    once per instant and finds the whole batch there."""
+
+    async def main() -> list[tuple[float, int]]:
+        net = SimNetwork(random.Random(7), tick_s=0.001)  # default latency: 0.5 to 2 ms
+        senders = [net.endpoint(f"node-{i}") for i in range(50)]
+        sub = await net.endpoint("controller").subscribe("hb.*")
+        got: list[tuple[float, int]] = []
+        wakeups: list[float] = []
+
+        async def reader() -> None:
+            while True:
+                wakeups.append(now())
+                msg = await sub.next_msg(10)
+                got.append((now(), int(msg.data)))
+                while not sub._inbox.empty():  # the rest of the batch, without waiting
+                    rest = sub._inbox.get_nowait()
+                    assert rest is not None
+                    got.append((now(), int(rest.data)))
+
+        task = asyncio.get_running_loop().create_task(reader())
+        for i, sender in enumerate(senders):
+            await sender.publish(f"hb.node-{i}", str(i).encode())
+            await asyncio.sleep(0.000001)
+        await asyncio.sleep(0.01)
+        task.cancel()
+        assert len(got) == 50 and len(wakeups) <= 3  # the first, then one per instant
+        return got
+
+    got = simulate(main)
+    assert {round(at, 9) for at, _ in got} <= {0.001, 0.002}
+    assert got == sorted(got)  # by instant, then in send order within it
+
+
+def test_a_negative_tick_is_refused() -> None:
+    with pytest.raises(ValueError, match="tick_s"):
+        SimNetwork(random.Random(1), tick_s=-0.001)
