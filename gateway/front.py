@@ -127,6 +127,8 @@ class FrontConnection(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self._buf = b""
         self._head: RequestHead | None = None  # parsed, waiting for its body
+        self._parts: list[bytes] = []  # that body so far
+        self._have = 0
         self._route: tuple[bool, str, str] = (True, "", "")  # openai?, cluster, target
         self._keep_alive = True
         self._closing = False  # close once the answer in progress is out
@@ -151,6 +153,16 @@ class FrontConnection(asyncio.Protocol):
         self._wait_for_head()
 
     def data_received(self, data: bytes) -> None:
+        if self.task is None and self._head is not None:
+            # A body arriving in pieces: kept as a list and joined once (adding each piece to
+            # one bytes object would copy a 16 MiB body hundreds of times).
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have >= self._head.content_length:
+                self._buf = b"".join(self._parts)
+                self._parts.clear()
+                self._advance()
+            return
         self._buf = self._buf + data if self._buf else data
         if self.task is None:
             self._advance()
@@ -210,6 +222,9 @@ class FrontConnection(asyncio.Protocol):
             self._head, self._route = head, route
             self._keep_alive = head.keep_alive
             if len(buf) < head.content_length:
+                self._parts = [buf] if buf else []
+                self._have = len(buf)
+                self._buf = b""
                 self._deadline = self._loop.time() + self._front.request_body_timeout_s
                 self._arm()
                 return

@@ -183,3 +183,21 @@ async def test_a_slow_client_holds_back_a_direct_replica(bus: NatsBus) -> None:
         await runner.cleanup()
     assert held < total // 2, f"the replica wrote {held} of {total} bytes to a stalled client"
     assert rest == written == total + (len(piece) - total % len(piece)) % len(piece)
+
+
+async def test_a_large_body_in_many_pieces_arrives_whole(gateway: Gateway) -> None:
+    """6 MiB (the test upstream takes 8), in 64 KiB pieces as a client's socket sends them."""
+    content = "ab " * (2 * 1024 * 1024)
+    body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": content}]})
+    data = _post(b"/v1/chat/completions", body.encode())
+    reader, writer = await _open(gateway)
+    try:
+        for start in range(0, len(data), 64 * 1024):
+            writer.write(data[start : start + 64 * 1024])
+            await writer.drain()
+        async with asyncio.timeout(20):
+            status, _, answer = await _answer(reader)
+    finally:
+        writer.close()
+    assert status == b"HTTP/1.1 200 OK"
+    assert json.loads(answer)["choices"][0]["message"]["content"] == content.strip()
