@@ -105,18 +105,7 @@ class Response:
         while not self._chunks:
             if self._done:
                 return None
-            if self._error is not None:
-                raise BodyError(self._error)
-            loop = asyncio.get_running_loop()
-            waiter = self._waiter = loop.create_future()
-            if self._idle_timer is None:
-                self._idle_timer = loop.call_at(
-                    self._last_data + idle_timeout, self._check_idle, idle_timeout
-                )
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+            await self._wait(idle_timeout)
         chunk = self._chunks.popleft()
         self._pending -= len(chunk)
         self._maybe_resume()
@@ -131,20 +120,24 @@ class Response:
         self._consumer = consumer
         try:
             while not self._done:
-                if self._error is not None:
-                    raise BodyError(self._error)
-                loop = asyncio.get_running_loop()
-                waiter = self._waiter = loop.create_future()
-                if self._idle_timer is None:
-                    self._idle_timer = loop.call_at(
-                        self._last_data + idle_timeout, self._check_idle, idle_timeout
-                    )
-                try:
-                    await waiter
-                finally:
-                    self._waiter = None
+                await self._wait(idle_timeout)
         finally:
             self._consumer = None
+
+    async def _wait(self, idle_timeout: float) -> None:
+        """Until the connection delivers something, ends the body or breaks (BodyError)."""
+        if self._error is not None:
+            raise BodyError(self._error)
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        if self._idle_timer is None:
+            self._idle_timer = loop.call_at(
+                self._last_data + idle_timeout, self._check_idle, idle_timeout
+            )
+        try:
+            await waiter
+        finally:
+            self._waiter = None
 
     def pause(self) -> None:
         """Stop reading from the replica (the consumer cannot keep up)."""
