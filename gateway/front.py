@@ -172,7 +172,9 @@ class FrontConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def eof_received(self) -> bool | None:
-        # A client that half-closes after its request still gets its answer.
+        # A client that half-closes after its request still gets its answer; then the
+        # connection closes (nothing more can come).
+        self._closing = True
         return True if self.task is not None else None
 
     def connection_lost(self, exc: BaseException | None) -> None:

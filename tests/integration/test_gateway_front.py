@@ -201,3 +201,19 @@ async def test_a_large_body_in_many_pieces_arrives_whole(gateway: Gateway) -> No
         writer.close()
     assert status == b"HTTP/1.1 200 OK"
     assert json.loads(answer)["choices"][0]["message"]["content"] == content.strip()
+
+
+async def test_a_client_that_half_closes_after_its_request_gets_the_answer(
+    gateway: Gateway,
+) -> None:
+    reader, writer = await _open(gateway)
+    try:
+        writer.write(_post(b"/v1/chat/completions", CHAT))
+        writer.write_eof()
+        async with asyncio.timeout(5):
+            status, _, body = await _answer(reader)
+            assert await reader.read() == b""  # and then the gateway closes its side too
+    finally:
+        writer.close()
+    assert status == b"HTTP/1.1 200 OK"
+    assert json.loads(body)["choices"][0]["message"]["content"] == "hi there"
