@@ -1,7 +1,7 @@
 """The gateway's front door: client connections served on asyncio protocols.
 
 Every connection starts here. An ordinary inference request (an OpenAI route or /c/<cluster>/,
-a Content-Length body or none; see gateway/http1.py for exactly what is taken) is parsed here
+a Content-Length body or none; see actors/http1.py for exactly what is taken) is parsed here
 and given straight to the proxy, with no per-request objects beyond the proxy's own: aiohttp's
 server, its router and its middleware were a third of the gateway's CPU per request.
 
@@ -18,7 +18,15 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
-from .http1 import LAST_CHUNK, MAX_HEAD_BYTES, RequestHead, encode_chunk, parse_request_head
+from actors.http1 import (
+    LAST_CHUNK,
+    MAX_HEAD_BYTES,
+    RequestHead,
+    could_be_request,
+    encode_chunk,
+    parse_request_head,
+)
+
 from .proxy import Proxy, send_error
 from .reply import FlowControlled, Headers
 
@@ -210,7 +218,9 @@ class FrontConnection(asyncio.Protocol):
         if head is None:
             end = buf.find(b"\r\n\r\n")
             if end < 0:
-                if len(buf) > MAX_HEAD_BYTES:
+                if len(buf) > MAX_HEAD_BYTES or not could_be_request(buf):
+                    # Not HTTP this front serves (TLS to a plain port, garbage): aiohttp answers
+                    # it now, rather than the head timeout later.
                     self._hand_off()
                 return
             head = parse_request_head(buf[:end])
@@ -375,7 +385,7 @@ class FrontConnection(asyncio.Protocol):
             transport.write(encode_chunk(data))
         if self._writing_paused:
             # The client reads slower than the replica writes: wait, so the replica's side
-            # pauses too (gateway/transport/http_client.py) instead of our memory growing.
+            # pauses too (actors/http_client.py) instead of our memory growing.
             self._drain = self._loop.create_future()
             try:
                 await self._drain

@@ -19,10 +19,20 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Final
 
-import aiohttp
 import structlog
 
 from actors.env import Bus, BusError
+from actors.http_client import (
+    BodyError,
+    ConnectError,
+    HeadError,
+    HeadTimeout,
+    HttpClient,
+    Response,
+    check_request,
+    encode_request,
+    origin,
+)
 from events import subjects, tunnel as frames
 from events.tunnel import (
     HOP_BY_HOP,
@@ -52,6 +62,11 @@ STALL_TIMEOUT_S: Final = 90.0
 
 
 _log = structlog.get_logger("gpumesh.tunnel")
+
+
+# A request without a timeout, and a stream's silence: the gateway keeps its own deadlines
+# (and cancels), so the agent waits as long as they allow.
+_NO_DEADLINE_S: Final = 24 * 3600.0
 
 
 class _Stream:
@@ -87,7 +102,7 @@ class _Stream:
 
 class TunnelServer:
     """Serves `subjects.tunnel(node_id)` until cancelled. `run()` owns a task per request (in a
-    TaskGroup) and one aiohttp session with keep-alive connections to the workloads."""
+    TaskGroup) and one HTTP client with keep-alive connections to the workloads."""
 
     def __init__(
         self,
@@ -113,7 +128,8 @@ class TunnelServer:
         self._log: Any = (log if log is not None else _log).bind(component="tunnel")
         self._streams: dict[str, _Stream] = {}
         self._group: asyncio.TaskGroup | None = None
-        self._session: aiohttp.ClientSession | None = None
+        # Keep-alive connections to the workloads; no limit: the server bounds concurrency.
+        self._client = HttpClient()
         self._acks: asyncio.Queue[_Stream] = asyncio.Queue()
         self.subscribed = asyncio.Event()  # for tests and callers that must not race the first
         self.window_full = asyncio.Event()  # set once any request has waited for CREDIT
@@ -135,9 +151,7 @@ class TunnelServer:
                 await self._serve()
         finally:
             self._group = None
-            session, self._session = self._session, None
-            if session is not None:
-                await session.close()
+            await self._client.close()
 
     async def _serve(self) -> None:
         while True:
@@ -220,7 +234,7 @@ class TunnelServer:
         )
         self._streams[reply] = stream
         stream.task = self._group.create_task(
-            self._handle(stream, request, base + request.path, body),
+            self._handle(stream, request, base, body),
             name=f"tunnel {request.request_id}",
         )
 
@@ -284,9 +298,11 @@ class TunnelServer:
 
     # One request.
 
-    async def _handle(self, stream: _Stream, request: TunnelRequest, url: str, body: bytes) -> None:
+    async def _handle(
+        self, stream: _Stream, request: TunnelRequest, base: str, body: bytes
+    ) -> None:
         try:
-            await self._forward(stream, request, url, body)
+            await self._forward(stream, request, base, body)
         except asyncio.CancelledError:
             if not stream.cancelled:
                 # The agent is shutting down: tell the gateway rather than leave it waiting.
@@ -301,82 +317,69 @@ class TunnelServer:
             self._streams.pop(stream.reply, None)
 
     async def _forward(
-        self, stream: _Stream, request: TunnelRequest, url: str, body: bytes
+        self, stream: _Stream, request: TunnelRequest, base: str, body: bytes
     ) -> None:
-        session = self._session
-        if session is None:
-            session = self._session = _new_session()
         headers = [(k, v) for k, v in request.headers if k.lower() not in HOP_BY_HOP]
         try:
-            async with asyncio.timeout(request.timeout_s or None):
-                response = await session.request(
-                    request.method,
-                    url,
-                    headers=headers,
-                    data=body or None,
-                    allow_redirects=False,
-                )
-        except aiohttp.ClientConnectorError as exc:
-            await self._error(stream, "connect_error", f"cannot reach {url}: {_describe(exc)}")
+            where = origin(base)
+            check_request(request.method, headers)
+        except ValueError as exc:
+            await self._error(stream, "bad_request", _describe(exc))
             return
-        except TimeoutError:
+        data = encode_request(request.method, request.path, where, headers, body)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (request.timeout_s or _NO_DEADLINE_S)
+        try:
+            response = await self._client.request(
+                where.host, where.port, request.method, data, deadline
+            )
+        except ConnectError as exc:
+            await self._error(stream, "connect_error", f"cannot reach {base}: {_describe(exc)}")
+            return
+        except HeadTimeout:
             await self._error(
                 stream, "first_byte_timeout", f"no response head within {request.timeout_s:g} s"
             )
             return
-        except ValueError as exc:  # a method or header aiohttp refuses (InvalidURL is one)
-            await self._error(stream, "bad_request", _describe(exc))
-            return
-        except (aiohttp.ClientError, OSError) as exc:
+        except HeadError as exc:
             await self._error(stream, "reset", f"before the response head: {_describe(exc)}")
             return
         try:
             await self._relay(stream, response)
-        except (aiohttp.ClientError, OSError) as exc:
+        except BodyError as exc:
             await self._error(stream, "reset", f"in the response body: {_describe(exc)}")
         finally:
-            if response.content.at_eof():
-                response.release()  # the connection goes back to the pool
-            else:
-                response.close()  # cancelled or broken: the workload sees the disconnect
+            # Back to the pool when the body was read to its end; else the connection drops
+            # (cancelled or broken) and the workload sees its client go.
+            response.close()
 
-    async def _relay(self, stream: _Stream, response: aiohttp.ClientResponse) -> None:
+    async def _relay(self, stream: _Stream, response: Response) -> None:
         """HEAD (with whatever body is in already), then the body in frames as it arrives,
         each carrying everything buffered by then, up to the frame cap."""
-        content = response.content
         cap = self._frame_bytes
+        assert response.head is not None
         head = TunnelHead(
-            status=response.status,
-            headers=tuple(
-                (str(k), v) for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP
-            ),
+            status=response.head.status,
+            headers=tuple((k, v) for k, v in response.head.headers if k.lower() not in HOP_BY_HOP),
         )
-        data = content.read_nowait(cap)
-        if content.at_eof():
+        data = response.take(cap)
+        if response.complete and not response.pending:
             head = TunnelHead(status=head.status, headers=head.headers, end=True)
             await self._send(stream, frames.encode_head(stream.seq, head, data))
             return
         await self._send(stream, frames.encode_head(stream.seq, head, data))
         stream.sent += len(data)
         while True:
-            # Read only when the window has room: the workload's unread bytes wait in its
-            # socket, and TCP slows it down.
+            # Read only when the window has room: what the workload sends meanwhile waits in
+            # the client's buffer, then in its socket, and TCP slows it down.
             if not await self._room(stream):
                 return
-            data = await content.readany()
-            if not data:
+            if not await response.readable(_NO_DEADLINE_S):
                 await self._send(stream, frames.encode_end(stream.seq))
                 return
-            while len(data) > cap:
-                await self._send(stream, frames.encode_data(stream.seq, data[:cap]))
-                stream.sent += cap
-                data = data[cap:]
-                if not await self._room(stream):
-                    return
-            if len(data) < cap:
-                data += content.read_nowait(cap - len(data))
+            data = response.take(cap)
             stream.sent += len(data)
-            if content.at_eof():
+            if response.complete and not response.pending:
                 await self._send(stream, frames.encode_end(stream.seq, data))
                 return
             await self._send(stream, frames.encode_data(stream.seq, data))
@@ -400,15 +403,6 @@ class TunnelServer:
         except BusError as exc:
             # The gateway notices the missing frame (a gap, or its timeout).
             self._log.warning("tunnel_publish_failed", error=str(exc))
-
-
-def _new_session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),  # the server bounds concurrency itself
-        timeout=aiohttp.ClientTimeout(total=None),  # streams last as long as they last
-        auto_decompress=False,  # bytes pass through as the workload encoded them
-        skip_auto_headers=("Accept-Encoding", "User-Agent"),  # only what the client sent
-    )
 
 
 def _describe(exc: BaseException) -> str:

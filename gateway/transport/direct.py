@@ -7,10 +7,18 @@ reached without a TCP handshake per request.
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Callable, Sequence
-from urllib.parse import quote, urlsplit
 
+from actors.http_client import (
+    BodyError,
+    ConnectError,
+    HeadError,
+    HeadTimeout,
+    HttpClient,
+    Response,
+    encode_request,
+    origin,
+)
 from events.messages import RouteEntry
 from events.tunnel import HOP_BY_HOP, NOT_DELIVERED_HEADER
 
@@ -21,12 +29,7 @@ from .base import (
     StreamBroken,
     UpstreamRequest,
 )
-from .http_client import BodyError, ConnectError, HeadError, HeadTimeout, HttpClient, Response
 
-# Methods whose request carries a body by definition: they say Content-Length even when empty.
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-# A request target that may go on the request line as it is; anything else is percent-encoded.
-_PLAIN_TARGET = re.compile(r"/[\x21-\x7e]*")
 _NOT_DELIVERED = NOT_DELIVERED_HEADER.lower()
 
 
@@ -101,41 +104,19 @@ class DirectTransport:
         # comes) breaks the stream instead of hanging it forever. Same default as the overlay.
         self._idle_timeout = idle_timeout
         self._client = HttpClient(connect_timeout=connect_timeout)
-        self._addresses: dict[str, tuple[str, int, str, str]] = {}
         del pool_per_host  # kept for callers; the pool opens what concurrent requests need
-
-    def _target(self, address: str) -> tuple[str, int, str, str]:
-        """host, port, the Host header, the path prefix (a node's front serves under one)."""
-        parsed = self._addresses.get(address)
-        if parsed is None:
-            url = urlsplit(address)
-            if url.scheme != "http" or not url.hostname:
-                raise ValueError(f"not an http:// replica address: {address!r}")
-            port = url.port or 80
-            parsed = (url.hostname, port, url.netloc, url.path.rstrip("/"))
-            if len(self._addresses) > 10_000:
-                self._addresses.clear()  # addresses come and go with placements
-            self._addresses[address] = parsed
-        return parsed
 
     async def open(self, route: RouteEntry, request: UpstreamRequest) -> DirectResponse:
         try:
-            host, port, authority, prefix = self._target(route.address)
+            where = origin(route.address)
         except ValueError as exc:
             raise ConnectFailed(route.replica_id, str(exc)) from exc
-        path = request.path if _PLAIN_TARGET.fullmatch(request.path) else _quote(request.path)
-        lines = [f"{request.method} {prefix}{path} HTTP/1.1\r\nHost: {authority}\r\n"]
-        lines.extend(f"{name}: {value}\r\n" for name, value in request.headers)
-        body = request.body
-        if body or request.method in _BODY_METHODS:
-            lines.append(f"Content-Length: {len(body)}\r\n")
-        lines.append("\r\n")
-        data = "".join(lines).encode("utf-8", "surrogateescape")
-        if body:
-            data += body
+        data = encode_request(request.method, request.path, where, request.headers, request.body)
         deadline = asyncio.get_running_loop().time() + request.first_byte_timeout
         try:
-            response = await self._client.request(host, port, request.method, data, deadline)
+            response = await self._client.request(
+                where.host, where.port, request.method, data, deadline
+            )
         except ConnectError as exc:
             raise ConnectFailed(route.replica_id, str(exc)) from exc
         except HeadTimeout as exc:
@@ -165,8 +146,3 @@ def _header(response: Response, lower_name: str) -> str:
         if name.lower() == lower_name:
             return value
     return ""
-
-
-def _quote(path: str) -> str:
-    # Percent-encode what may not stand on a request line, keep what is already encoded.
-    return quote(path, safe="/?&=%:@!$'()*+,;~-._[]#")

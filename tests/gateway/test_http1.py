@@ -11,13 +11,14 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import HttpRequestParser
 from hypothesis import given, strategies as st
 
-from gateway.http1 import (
+from actors.http1 import (
     CHUNKED,
     LENGTH,
     NO_BODY,
     UNTIL_CLOSE,
     ChunkedDecoder,
     HttpError,
+    could_be_request,
     encode_chunk,
     parse_request_head,
     parse_response_head,
@@ -214,3 +215,20 @@ def test_a_chunked_body_decodes_the_same_however_it_is_split(
 def test_a_lying_chunked_body_is_an_error(body: bytes) -> None:
     with pytest.raises(HttpError):
         ChunkedDecoder().feed(body)
+
+
+@pytest.mark.parametrize(
+    ("start", "plausible"),
+    [
+        (b"", True),
+        (b"PO", True),
+        (b"POST /v1/chat", True),
+        (b"DELETE", True),
+        (b"\x16\x03\x01\x00\xa5", False),  # a TLS ClientHello on the plain port
+        (b"post /", False),
+        (b"BREW /pot HTTP/1.1", False),
+        (b"GETX", False),
+    ],
+)
+def test_a_head_that_cannot_become_a_request_is_known_early(start: bytes, plausible: bool) -> None:
+    assert could_be_request(start) is plausible

@@ -1,4 +1,7 @@
-"""A lean HTTP/1.1 client for the direct transport: keep-alive connections on asyncio protocols.
+"""A lean HTTP/1.1 client to workloads: keep-alive connections on asyncio protocols.
+
+Used by the gateway's direct transport (gateway/transport/direct.py) and by the node agent's
+end of the overlay (nodeagent/tunnel.py): both relay requests to OpenAI-compatible workloads.
 
 Why not aiohttp's client: it was a quarter of the gateway's CPU per proxied request (request
 and response objects, tracing hooks, a cookie jar, a read timeout rescheduled on every read,
@@ -12,9 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from urllib.parse import quote, urlsplit
 
-from gateway.http1 import (
+from actors.http1 import (
     CHUNKED,
     LENGTH,
     NO_BODY,
@@ -30,6 +36,73 @@ _MAX_HEAD = 64 * 1024
 # it back) until the reader is below the low mark: a slow client cannot grow our memory.
 _HIGH_WATER = 1024 * 1024
 _LOW_WATER = 256 * 1024
+
+
+# Methods whose request carries a body by definition: they say Content-Length even when empty.
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+# A request target that may go on the request line as it is; anything else is percent-encoded.
+_PLAIN_TARGET = re.compile(r"/[\x21-\x7e]*")
+
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(r"[^\x00-\x08\x0a-\x1f\x7f]*")
+
+
+def check_request(method: str, headers: Sequence[tuple[str, str]]) -> None:
+    """ValueError for a method or header that could not stand in a request as it is (a CR or
+    LF would smuggle a second request): for requests that come from elsewhere, not parsed
+    here."""
+    if not _TOKEN.fullmatch(method):
+        raise ValueError(f"not a method: {method[:40]!r}")
+    for name, value in headers:
+        if not _TOKEN.fullmatch(name) or not _FIELD_VALUE.fullmatch(value):
+            raise ValueError(f"not a valid header: {name[:40]!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a workload listens: host and port, the Host header, and a path prefix (a node's
+    front serves each replica under one)."""
+
+    host: str
+    port: int
+    authority: str
+    prefix: str
+
+
+_ORIGINS: dict[str, Origin] = {}
+
+
+def origin(url: str) -> Origin:
+    """The origin of an `http://host:port[/prefix]` address (ValueError for anything else)."""
+    found = _ORIGINS.get(url)
+    if found is None:
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"not an http:// address: {url!r}")
+        found = Origin(parts.hostname, parts.port or 80, parts.netloc, parts.path.rstrip("/"))
+        if len(_ORIGINS) > 10_000:
+            _ORIGINS.clear()  # addresses come and go with placements
+        _ORIGINS[url] = found
+    return found
+
+
+def encode_request(
+    method: str, target: str, where: Origin, headers: Sequence[tuple[str, str]], body: bytes
+) -> bytes:
+    """A whole request, ready for one write. `headers` must not hold Host, Content-Length or
+    Transfer-Encoding: this sets the first two, and the body is never chunked."""
+    if not _PLAIN_TARGET.fullmatch(target):
+        # Percent-encode what may not stand on a request line, keep what is already encoded.
+        target = quote(target, safe="/?&=%:@!$'()*+,;~-._[]#")
+    lines = [f"{method} {where.prefix}{target} HTTP/1.1\r\nHost: {where.authority}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers)
+    if body or method in _BODY_METHODS:
+        lines.append(f"Content-Length: {len(body)}\r\n")
+    lines.append("\r\n")
+    # surrogateescape: header bytes a client sent, decoded that way, go out unchanged.
+    data = "".join(lines).encode("utf-8", "surrogateescape")
+    return data + body if body else data
 
 
 class ConnectError(Exception):
@@ -98,6 +171,38 @@ class Response:
         self._pending = 0
         self._maybe_resume()
         return data
+
+    @property
+    def pending(self) -> int:
+        """Body bytes that have arrived and not been taken yet."""
+        return self._pending
+
+    def take(self, limit: int) -> bytes:
+        """Up to `limit` of the body bytes that have arrived, at once."""
+        if self._pending <= limit:
+            return self.take_buffered()
+        parts: list[bytes] = []
+        size = 0
+        while size < limit:
+            chunk = self._chunks.popleft()
+            if size + len(chunk) > limit:
+                cut = limit - size
+                self._chunks.appendleft(chunk[cut:])
+                chunk = chunk[:cut]
+            parts.append(chunk)
+            size += len(chunk)
+        self._pending -= size
+        self._maybe_resume()
+        return b"".join(parts)
+
+    async def readable(self, idle_timeout: float) -> bool:
+        """Until some of the body is here (True) or it has ended with nothing left (False);
+        BodyError if it breaks or goes silent for `idle_timeout`."""
+        while not self._chunks:
+            if self._done:
+                return False
+            await self._wait(idle_timeout)
+        return True
 
     async def next_chunk(self, idle_timeout: float) -> bytes | None:
         """The next piece of the body, None at its end; BodyError if it breaks or no byte

@@ -93,6 +93,15 @@ def parse_request_head(head: bytes) -> RequestHead | None:
     )
 
 
+def could_be_request(start: bytes) -> bool:
+    """Whether the first bytes of a head, before it is whole, could still become a request
+    parse_request_head takes: its method so far, then a space."""
+    method, space, _ = start.partition(b" ")
+    if not space:
+        return len(method) < 8 and any(m.startswith(method) for m in _METHODS)
+    return method in _METHODS
+
+
 # How a response's body is delimited (RFC 9112 6.3).
 NO_BODY = 0
 LENGTH = 1
