@@ -27,7 +27,7 @@ from actors.http1 import (
     parse_request_head,
 )
 
-from .proxy import Proxy, send_error
+from .proxy import Proxy, send_error, split_passthrough
 from .reply import FlowControlled, Headers
 
 _OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
@@ -99,9 +99,6 @@ class Front:
 
     def __call__(self) -> FrontConnection:
         return FrontConnection(self)
-
-    def busy(self) -> int:
-        return sum(1 for conn in self.connections if conn.task is not None)
 
     def _changed(self) -> None:
         if self.stopping and not any(conn.task is not None for conn in self.connections):
@@ -439,14 +436,14 @@ class FrontConnection(asyncio.Protocol):
 def _route(head: RequestHead) -> tuple[bool, str, str] | None:
     """(openai?, cluster, target) for a request the front serves; None for aiohttp's."""
     target = head.target
-    path, _, query = target.partition("?")
+    path = target.partition("?")[0]
     if "/." in path or "//" in path:
         return None  # dot segments, empty segments: aiohttp's normalisation decides
     if path in _OPENAI_PATHS:
         return (True, "", target) if head.method == "POST" else None
     if path.startswith("/c/") and head.method in _PASSTHROUGH_METHODS:
-        cluster, _, tail = path[3:].partition("/")
+        cluster, tail = split_passthrough(target)
         if not cluster or "%" in cluster:
             return None  # an encoded cluster name: aiohttp decodes it
-        return False, cluster, f"/{tail}?{query}" if query else f"/{tail}"
+        return False, cluster, tail
     return None

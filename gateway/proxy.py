@@ -113,6 +113,19 @@ def openai_error(status: int, message: str, code: str, **headers: str) -> web.Re
     )
 
 
+def split_passthrough(raw_target: str) -> tuple[str, str]:
+    """`/c/<cluster>/<path>?<query>` as the client sent it: the cluster segment (still
+    percent-encoded) and the target its replica gets, `/<path>?<query>`, unchanged."""
+    rest = raw_target[3:]
+    cut = len(rest)
+    for separator in "/?":
+        at = rest.find(separator)
+        if 0 <= at < cut:
+            cut = at
+    tail = rest[cut:]
+    return rest[:cut], tail if tail.startswith("/") else "/" + tail
+
+
 def send_error(
     sink: Sink, status: int, message: str, code: str, request_id: str = "", **headers: str
 ) -> None:
@@ -182,12 +195,7 @@ class Proxy:
         if (tenant := self.admit(inbound, sink)) is None:
             return _answer(sink)
         cluster = request.match_info["cluster"]
-        # The target as the client sent it, still percent-encoded: /c/<cluster> comes off.
-        raw = request.raw_path
-        prefix = f"/c/{cluster}"
-        target = raw[len(prefix) :] if raw.startswith(prefix) else raw.split("/", 3)[-1]
-        if not target.startswith("/"):
-            target = "/" + target
+        _, target = split_passthrough(request.raw_path)
         body = await self._read_body(request)
         if isinstance(body, web.Response):
             return body
@@ -665,4 +673,4 @@ async def _write_quietly(sink: Sink, data: bytes) -> None:
         pass
 
 
-__all__ = ["Proxy", "ProxySettings", "openai_error", "send_error"]
+__all__ = ["Proxy", "ProxySettings", "openai_error", "send_error", "split_passthrough"]
