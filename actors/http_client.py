@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import re
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
@@ -255,10 +255,6 @@ class Response:
             self._paused = False
             if self._conn is not None:
                 self._conn.resume()
-
-    async def iterate(self, idle_timeout: float) -> AsyncIterator[bytes]:
-        while (chunk := await self.next_chunk(idle_timeout)) is not None:
-            yield chunk
 
     def close(self) -> None:
         """Done with it. A body not read to its end drops the connection: the replica sees its
