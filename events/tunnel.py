@@ -61,7 +61,7 @@ ErrorReason = Literal[
     "unknown_replica",  # this agent does not run that replica at that epoch
     "fenced",  # the controller no longer vouches for that replica here (lease lapsed or moved)
     "overloaded",  # the agent is at its concurrency limit
-    "bad_request",  # the agent could not use the request (undecodable, bad method or path)
+    "bad_request",  # the agent could not use the request (undecodable, bad method, header or path)
     "reset",  # the workload closed the connection before or while answering
     "first_byte_timeout",  # no response head within timeout_s
     "stalled",  # the window was full and no CREDIT came for the agent's stall timeout
