@@ -34,10 +34,12 @@ as a name like any other.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 import msgspec
 
@@ -61,8 +63,9 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     """The chosen node and GPUs, why they won, and every node considered.
 
     `candidates` lists the accepted nodes best first, `score` counting down from the number of
-    accepted nodes to 1 (the winner has the highest), then the rejected ones by node id with
-    `rejected` set. The ranking itself is lexicographic; `score` only records its order.
+    accepted nodes (the winner has the highest), then the rejected ones by node id with
+    `rejected` set; at most `LISTED` of each, and `why` counts the rest when there are more.
+    The ranking itself is lexicographic; `score` only records its order.
     """
 
     node_id: str
@@ -72,7 +75,8 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class NoFit(msgspec.Struct, frozen=True, kw_only=True):
-    """No node can take the replica now: one line saying why, and every node's rejection."""
+    """No node can take the replica now: one line counting the rejections by cause, and the
+    first `LISTED` rejected nodes (by node id) with their own reasons."""
 
     reason: str
     candidates: tuple[Candidate, ...] = ()
@@ -121,50 +125,114 @@ def schedule(
     in_zone = Counter(where[p.node_id] for p in ours if p.node_id in where)
     in_region = Counter(where[p.node_id][0] for p in ours if p.node_id in where)
 
-    fits: list[_Fit] = []
+    # One pass over the fleet, at a few microseconds a node: a placement at 10,000 nodes must
+    # not cost a quarter of a second (bench/scheduler.py). Rows are plain tuples, and only the
+    # nodes the decision names become _Fit objects.
+    need = _Need.of(spec)
+    no_use: frozenset[int] = frozenset()
+    rows: list[_Row] = []
     rejects: list[tuple[str, _Reject]] = []
     for node in nodes:
-        used = taken.get(node.node_id, set())
-        verdict = _filter(node, spec, used, avoid)
+        node_id = node.node_id
+        used = taken.get(node_id, no_use)
+        verdict = _filter(node, spec, used, avoid, need)
         if isinstance(verdict, _Reject):
-            rejects.append((node.node_id, verdict))
+            rejects.append((node_id, verdict))
             continue
-        indices = {gpu.index for gpu in node.gpus}
-        fits.append(
-            _Fit(
-                node=node,
-                gpus=verdict,
-                on_node=on_node[node.node_id],
-                in_zone=in_zone[(node.region, node.zone)],
-                in_region=in_region[node.region],
-                distance=_distance(node.region, spec.preferred_region),
-                used=len(indices & used),
-                total=len(indices),
-                util=_mean_utilization(node),
-                price=_finite_or_inf(node.price_per_hour),
-            )
+        total, busy = _count_used(node, used)
+        key = (
+            on_node.get(node_id, 0),  # get: a Counter's __missing__ is Python, per node
+            in_zone.get((node.region, node.zone), 0),
+            in_region.get(node.region, 0),
+            _distance(node.region, spec.preferred_region),
+            busy / total if total else 0.0,
+            _mean_utilization(node),
+            _finite_or_inf(node.price_per_hour),
+        )
+        rows.append((key, node_id, node, verdict, busy, total))
+
+    if not rows:
+        listed = heapq.nsmallest(LISTED, rejects, key=_reject_node)
+        return NoFit(
+            reason=_no_fit_reason(spec, [r for _, r in rejects]),
+            candidates=tuple(Candidate(node_id=nid, rejected=r.detail) for nid, r in listed),
         )
 
-    rejects.sort(key=lambda r: r[0])
-    rejected = tuple(Candidate(node_id=nid, rejected=r.detail) for nid, r in rejects)
-    if not fits:
-        return NoFit(reason=_no_fit_reason(spec, [r for _, r in rejects]), candidates=rejected)
-
-    keys = {id(f): f.key for f in fits}
-    ranked = sorted(fits, key=lambda f: (keys[id(f)], f.node.node_id))
-    tied = [f for f in ranked if keys[id(f)] == keys[id(ranked[0])]]
-    winner = rng.choice(tied) if len(tied) > 1 else ranked[0]
-    ranked = [winner, *(f for f in ranked if f is not winner)]
+    best = min(row[0] for row in rows)
+    tied = sorted((row for row in rows if row[0] == best), key=_row_node)
+    winner = rng.choice(tied) if len(tied) > 1 else tied[0]
+    # The ranking is (key, node id); the winner leads it even when the draw took a later tie.
+    head = heapq.nsmallest(LISTED + 1, rows, key=_ranking)
+    ranked = [winner, *(row for row in head if row is not winner)][:LISTED]
     accepted = tuple(
-        Candidate(node_id=f.node.node_id, score=float(len(ranked) - i))
-        for i, f in enumerate(ranked)
+        Candidate(node_id=row[1], score=float(len(rows) - i)) for i, row in enumerate(ranked)
     )
+    listed_rejects = heapq.nsmallest(LISTED, rejects, key=_reject_node)
+    rejected = tuple(Candidate(node_id=nid, rejected=r.detail) for nid, r in listed_rejects)
+    runner = _fit(ranked[1]) if len(tied) == 1 and len(ranked) > 1 else None
+    why = _why(spec, _fit(winner), runner, len(rows), [row[1] for row in tied], len(rejects))
+    if len(rows) > len(accepted) or len(rejects) > len(rejected):
+        why = _line(f"{why}; {_left_out(len(rows), len(accepted), rejects, len(rejected))}")
     return Placement(
-        node_id=winner.node.node_id,
-        gpu_indices=winner.gpus,
-        why=_why(spec, winner, ranked, tied, len(rejects)),
+        node_id=winner[1],
+        gpu_indices=winner[3],
+        why=why,
         candidates=accepted + rejected,
     )
+
+
+# How many accepted and how many rejected nodes a decision lists by name. The event records
+# every decision, so its size must not grow with the fleet: at 10,000 nodes a full list would
+# be about 600 KB a placement, and nats-server refuses messages over 1 MiB. The `why` counts
+# the rest, and a NoFit reason counts every rejection by cause.
+LISTED = 20
+
+# (key, node id, node, GPUs, GPUs in use, GPUs in all)
+_Row = tuple[
+    tuple[int, int, int, int, float, float, float], str, NodeView, tuple[int, ...], int, int
+]
+
+
+def _ranking(row: _Row) -> tuple[tuple[int, int, int, int, float, float, float], str]:
+    return row[0], row[1]
+
+
+_row_node = itemgetter(1)
+_reject_node = itemgetter(0)
+
+
+def _fit(row: _Row) -> _Fit:
+    key, _, node, gpus, busy, total = row
+    return _Fit(
+        node=node,
+        gpus=gpus,
+        on_node=key[0],
+        in_zone=key[1],
+        in_region=key[2],
+        distance=key[3],
+        used=busy,
+        total=total,
+        util=key[5],
+        price=key[6],
+    )
+
+
+def _count_used(node: NodeView, used: Collection[int]) -> tuple[int, int]:
+    """The node's distinct GPU indices, and how many of them live replicas hold."""
+    if len(node.gpus) == 1:
+        return 1, 1 if node.gpus[0].index in used else 0
+    indices = {gpu.index for gpu in node.gpus}
+    return len(indices), len(indices.intersection(used))
+
+
+def _left_out(
+    fits: int, listed_fits: int, rejects: Sequence[tuple[str, _Reject]], listed_rejects: int
+) -> str:
+    parts = [f"{fits} fit, {listed_fits} listed"]
+    if rejects:
+        causes = _causes([r for _, r in rejects])
+        parts.append(f"{len(rejects)} rejected ({causes}), {listed_rejects} listed")
+    return "; ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +296,43 @@ def _taken(placements: Iterable[ReplicaView]) -> dict[str, set[int]]:
     return taken
 
 
+@dataclass(frozen=True, slots=True)
+class _Need:
+    """What `spec` asks of a node, worked out once per decision rather than once per node."""
+
+    count: int
+    models: tuple[str, ...]  # accepted models, spec order, no repeats; empty accepts any
+    min_vram_mib: int
+    labels: tuple[tuple[str, str], ...]  # sorted
+
+    @classmethod
+    def of(cls, spec: ClusterSpec) -> _Need:
+        return cls(
+            count=spec.gpu.count,
+            models=tuple(dict.fromkeys(spec.gpu.models)),
+            min_vram_mib=spec.gpu.min_vram_mib,
+            labels=tuple(sorted(spec.labels.items())),
+        )
+
+    @property
+    def what(self) -> str:
+        return "/".join(self.models) or "GPU"
+
+    @property
+    def vram(self) -> str:
+        return f" with >= {self.min_vram_mib} MiB" if self.min_vram_mib > 0 else ""
+
+
 def _filter(
-    node: NodeView, spec: ClusterSpec, taken: set[int], avoid: Collection[str]
+    node: NodeView,
+    spec: ClusterSpec,
+    taken: Collection[int],
+    avoid: Collection[str],
+    need: _Need | None = None,
 ) -> tuple[int, ...] | _Reject:
     """The GPUs this node would give the replica, or why it cannot take it."""
+    if need is None:
+        need = _Need.of(spec)
     if node.health != "healthy":
         why = f" ({node.health_reason})" if node.health_reason else ""
         return _Reject(0, node.health, node.health, f"{node.health}{why}")
@@ -248,31 +349,30 @@ def _filter(
             f"are outside regions {allowed}",
             f"region {node.region or '?'} not in {allowed}",
         )
-    for key, want in sorted(spec.labels.items()):
+    for key, want in need.labels:
         have = node.labels.get(key)
         if have != want:
-            wanted = ",".join(f"{k}={v}" for k, v in sorted(spec.labels.items()))
+            wanted = ",".join(f"{k}={v}" for k, v in need.labels)
             detail = (
                 f"label {key}={want} missing" if have is None else f"label {key}={have}, not {want}"
             )
             return _Reject(4, f"lacks labels {wanted}", f"lack labels {wanted}", detail)
-    return _choose_gpus(node, spec, taken)
+    return _choose_gpus(node, need, taken)
 
 
-def _choose_gpus(node: NodeView, spec: ClusterSpec, taken: set[int]) -> tuple[int, ...] | _Reject:
-    need = spec.gpu.count
-    if need == 0:
+def _choose_gpus(node: NodeView, need: _Need, taken: Collection[int]) -> tuple[int, ...] | _Reject:
+    count = need.count
+    if count == 0:
         return ()
-    accepted = tuple(dict.fromkeys(spec.gpu.models))
-    what = "/".join(accepted) or "GPU"
-    vram = f" with >= {spec.gpu.min_vram_mib} MiB" if spec.gpu.min_vram_mib > 0 else ""
+    accepted = need.models
     gpus = _unique_by_index(node.gpus)
-
     of_model = [g for g in gpus if not accepted or g.model in accepted]
     if not of_model:
+        what = need.what
         return _Reject(5, f"has no {what}", f"have no {what}", f"no {what} ({_inventory(gpus)})")
-    big = [g for g in of_model if g.vram_mib >= spec.gpu.min_vram_mib]
+    big = [g for g in of_model if g.vram_mib >= need.min_vram_mib]
     if not big:
+        what, vram = need.what, need.vram
         largest = max(g.vram_mib for g in of_model)
         return _Reject(
             6, f"has no {what}{vram}", f"have no {what}{vram}", f"no {what}{vram} ({largest} MiB)"
@@ -281,11 +381,13 @@ def _choose_gpus(node: NodeView, spec: ClusterSpec, taken: set[int]) -> tuple[in
     for gpu in big:
         if gpu.index not in taken:
             free.setdefault(gpu.model, []).append(gpu.index)
-    options = [tuple(sorted(indices)[:need]) for indices in free.values() if len(indices) >= need]
+    # `big` is in index order, so each model's list is already sorted.
+    options = [tuple(indices[:count]) for indices in free.values() if len(indices) >= count]
     if options:
         # All models here are acceptable; the lowest indices keep a node's allocations packed.
         return min(options)
-    short = "no free" if need == 1 else f"< {need} free"
+    what, vram = need.what, need.vram
+    short = "no free" if count == 1 else f"< {count} free"
     if free:
         have = " + ".join(f"{len(free[m])} {m}" for m in sorted(free)) + " free"
     else:
@@ -295,12 +397,14 @@ def _choose_gpus(node: NodeView, spec: ClusterSpec, taken: set[int]) -> tuple[in
         7,
         f"has {short} {what}{vram}",
         f"have {short} {what}{vram}",
-        f"{have}{vram}, needs {need}{one_model}",
+        f"{have}{vram}, needs {count}{one_model}",
     )
 
 
-def _unique_by_index(gpus: Sequence[GpuInfo]) -> list[GpuInfo]:
+def _unique_by_index(gpus: Sequence[GpuInfo]) -> Sequence[GpuInfo]:
     # A node that reports one index twice must not offer it twice; keep the first report.
+    if len(gpus) == 1:
+        return gpus
     seen: dict[int, GpuInfo] = {}
     for gpu in gpus:
         seen.setdefault(gpu.index, gpu)
@@ -337,9 +441,15 @@ def _mean_utilization(node: NodeView) -> float:
 def _no_fit_reason(spec: ClusterSpec, rejects: Sequence[_Reject]) -> str:
     if not rejects:
         return f"no node fits {spec.name}: no nodes"
+    return _line(f"no node fits {spec.name}: {_causes(rejects)}")
+
+
+def _causes(rejects: Sequence[_Reject]) -> str:
+    """Rejections counted by cause, in the order the filters check them."""
     counts = Counter((r.stage, r.one, r.many) for r in rejects)
-    parts = [f"{n} {one if n == 1 else many}" for (_, one, many), n in sorted(counts.items())]
-    return _line(f"no node fits {spec.name}: " + ", ".join(parts))
+    return ", ".join(
+        f"{n} {one if n == 1 else many}" for (_, one, many), n in sorted(counts.items())
+    )
 
 
 def _zone(region: str, zone: str) -> str:
@@ -347,20 +457,32 @@ def _zone(region: str, zone: str) -> str:
 
 
 def _why(
-    spec: ClusterSpec, winner: _Fit, ranked: Sequence[_Fit], tied: Sequence[_Fit], rejected: int
+    spec: ClusterSpec,
+    winner: _Fit,
+    runner: _Fit | None,
+    fits: int,
+    tied: Sequence[str],
+    rejected: int,
 ) -> str:
-    if len(ranked) == 1:
+    if fits == 1:
         decision = "the only fit" + (f" ({rejected} rejected)" if rejected else "")
     elif len(tied) > 1:
-        names = ", ".join(f.node.node_id for f in tied)
+        if len(tied) > TIES_NAMED:
+            names = ", ".join(tied[:TIES_NAMED]) + f" and {len(tied) - TIES_NAMED} more"
+        else:
+            names = ", ".join(tied)
         decision = f"seeded tie-break among {names} (equal on every rule)"
     else:
-        runner = ranked[1]
+        assert runner is not None  # more than one fit and no tie: there is a runner-up
         rule = next(
             i for i, (a, b) in enumerate(zip(winner.key, runner.key, strict=True)) if a != b
         )
         decision = f"wins on {RULES[rule]} ({_versus(spec, rule, winner, runner)})"
     return _line(f"{winner.node.node_id}: {decision}; {_facts(spec, winner)}")
+
+
+# A tie among thousands of idle nodes names the first few (by node id) and counts the rest.
+TIES_NAMED = 8
 
 
 def _versus(spec: ClusterSpec, rule: int, w: _Fit, r: _Fit) -> str:

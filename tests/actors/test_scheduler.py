@@ -17,7 +17,7 @@ import msgspec
 import pytest
 from hypothesis import Phase, given, settings, strategies as st
 
-from actors.scheduler import NoFit, Placement, free_gpus, schedule
+from actors.scheduler import LISTED, NoFit, Placement, free_gpus, schedule
 from events import (
     Candidate,
     ClusterSpec,
@@ -490,6 +490,54 @@ def test_candidates_rank_the_accepted_then_list_the_rejected() -> None:
         Candidate(node_id="a-drained", rejected="drained"),
         Candidate(node_id="z-sick", rejected="unhealthy (registered)"),
     )
+
+
+def test_a_large_fleet_is_listed_in_summary_and_its_event_stays_small() -> None:
+    # 3,000 equal idle nodes, 1,000 more offline: every decision is recorded as an event, so it
+    # must not grow with the fleet (nats-server refuses messages over 1 MiB).
+    idle = [node(f"n{i:04d}", 1) for i in range(3000)]
+    down = [node(f"d{i:04d}", 1, health="offline", health_reason="silent") for i in range(1000)]
+    result = placed(idle + down, seed=5)
+    ranked = [c for c in result.candidates if not c.rejected]
+    rejected = [c for c in result.candidates if c.rejected]
+    assert len(ranked) == len(rejected) == LISTED
+    assert ranked[0].node_id == result.node_id and ranked[0].score == 3000.0
+    assert [c.score for c in ranked] == [float(3000 - i) for i in range(LISTED)]
+    others = [c.node_id for c in ranked[1:]]
+    assert others == sorted(others)  # the rest of the ranking: equal keys, by node id
+    assert [c.node_id for c in rejected] == [f"d{i:04d}" for i in range(LISTED)]
+    assert (
+        "seeded tie-break among n0000, n0001, n0002, n0003, n0004, n0005, n0006, n0007 "
+        "and 2992 more (equal on every rule)" in result.why
+    )
+    assert result.why.endswith(
+        f"; 3000 fit, {LISTED} listed; 1000 rejected (1000 offline), 20 listed"
+    )
+    event = ReplicaPlaced(
+        replica_id="llama-0",
+        cluster="llama",
+        node_id=result.node_id,
+        gpu_indices=result.gpu_indices,
+        epoch=1,
+        why=result.why,
+        candidates=result.candidates,
+    )
+    assert len(msgspec.json.encode(event)) < 4096
+
+    nothing = no_fit(idle + down, spec(models=("B200",)))
+    assert nothing.reason == "no node fits llama: 1000 offline, 3000 have no B200"
+    assert [c.node_id for c in nothing.candidates] == [f"d{i:04d}" for i in range(LISTED)]
+    assert len(msgspec.json.encode(nothing)) < 4096
+
+
+def test_the_listed_winner_leads_even_when_the_draw_takes_a_late_tie() -> None:
+    nodes = [node(f"n{i:03d}", 1) for i in range(100)]
+    late = {placed(nodes, seed=seed).node_id for seed in range(30)}
+    assert any(n > f"n{LISTED:03d}" for n in late)  # the draw reaches past the listed ones
+    for seed in range(30):
+        result = placed(nodes, seed=seed)
+        assert result.candidates[0].node_id == result.node_id
+        assert len({c.node_id for c in result.candidates}) == LISTED
 
 
 def test_why_is_one_line_naming_the_winner_and_its_facts() -> None:
