@@ -71,6 +71,10 @@ class RequestTimeout(BusError, TimeoutError):
         super().__init__(f"no reply on {subject} within {timeout:g} s")
 
 
+MsgHandler = Callable[[Msg], None]
+"""Takes a message as it arrives (`Bus.subscribe(..., handler=...)`); must not block."""
+
+
 class Subscription(Protocol):
     def __aiter__(self) -> AsyncIterator[Msg]: ...
     async def unsubscribe(self) -> None: ...
@@ -83,7 +87,15 @@ class Bus(Protocol):
         self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
     ) -> None: ...
 
-    async def subscribe(self, subject: str, *, queue: str = "") -> Subscription: ...
+    async def subscribe(
+        self, subject: str, *, queue: str = "", handler: MsgHandler | None = None
+    ) -> Subscription:
+        """Messages on `subject` (one member of `queue` each, if given), to iterate over; or,
+        with `handler`, each passed to it on arrival, in order, and none to iterate over (the
+        iteration ends at `unsubscribe`). A handler suits a consumer whose work per message
+        is a few field updates: iterating costs a task wake-up per message, more than the
+        work. What a handler raises is logged and the message is dropped."""
+        ...
 
     async def request(
         self,
@@ -103,7 +115,9 @@ class NoBus:
     ) -> None:
         raise RuntimeError("this Env has no bus")
 
-    async def subscribe(self, subject: str, *, queue: str = "") -> Subscription:
+    async def subscribe(
+        self, subject: str, *, queue: str = "", handler: MsgHandler | None = None
+    ) -> Subscription:
         raise RuntimeError("this Env has no bus")
 
     async def request(

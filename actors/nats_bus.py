@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig, StreamInfo
 from nats.js.errors import BadRequestError
 
-from .env import BusError, Msg, NoResponders, RequestTimeout
+from .env import BusError, Msg, MsgHandler, NoResponders, RequestTimeout
 from .nats_access import Credentials, secure_url
 
 log = structlog.get_logger("gpumesh.nats")
@@ -71,9 +71,17 @@ class NatsSubscription:
     """A subscription as an async iterator of actors.env.Msg; `unsubscribe()` ends the iteration
     after the messages already received."""
 
-    def __init__(self, bus: NatsBus, subject: str, queue: str, limit: int) -> None:
+    def __init__(
+        self,
+        bus: NatsBus,
+        subject: str,
+        queue: str,
+        limit: int,
+        handler: MsgHandler | None = None,
+    ) -> None:
         self.subject = subject
         self.queue = queue
+        self.handler = handler
         self._bus = bus
         self._inbox: asyncio.Queue[Msg | None] = asyncio.Queue(maxsize=limit)
         self._handle: NatsSubscriptionHandle | None = None
@@ -134,6 +142,16 @@ class NatsSubscription:
 
     async def _receive(self, raw: NatsMsg) -> None:
         if self._closed:
+            return
+        if self.handler is not None:
+            # In nats-py's own task for this subscription, in order: no hop through our queue.
+            msg = Msg(
+                subject=raw.subject, data=raw.data, reply=raw.reply or "", headers=raw.headers
+            )
+            try:
+                self.handler(msg)
+            except Exception:
+                log.exception("subscription_handler_failed", subject=raw.subject)
             return
         try:
             self._inbox.put_nowait(
@@ -316,9 +334,14 @@ class NatsBus:
             raise BusError(f"publish to {subject} failed: {describe(exc)}") from exc
 
     async def subscribe(
-        self, subject: str, *, queue: str = "", pending_limit: int = DEFAULT_PENDING_LIMIT
+        self,
+        subject: str,
+        *,
+        queue: str = "",
+        handler: MsgHandler | None = None,
+        pending_limit: int = DEFAULT_PENDING_LIMIT,
     ) -> NatsSubscription:
-        sub = NatsSubscription(self, subject, queue, pending_limit)
+        sub = NatsSubscription(self, subject, queue, pending_limit, handler)
         try:
             sub._handle = await self._nc.subscribe(subject, queue=queue, cb=sub._receive)
         except nats.errors.Error as exc:

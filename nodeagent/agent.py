@@ -15,7 +15,7 @@ from typing import Any, cast
 import msgspec
 
 from actors.command_queue import CommandQueue, Delivery
-from actors.env import BusError, Env, NoResponders, RequestTimeout
+from actors.env import BusError, Env, Msg, NoResponders, RequestTimeout
 from events import subjects
 from events.messages import (
     Fault,
@@ -136,11 +136,19 @@ class Agent:
         """Serve until cancelled; on cancellation stop every workload (within the grace period)
         before returning."""
         self._log.info("agent_starting", interval_s=self.heartbeat_interval)
+        # Each ack is a few field updates: taken on arrival, not by a task woken per heartbeat.
+        leases = await self._env.bus.subscribe(self._lease_subject, handler=self._on_lease)
+        try:
+            await self._serve()
+        finally:
+            with contextlib.suppress(BusError):
+                await leases.unsubscribe()
+
+    async def _serve(self) -> None:
         async with asyncio.TaskGroup() as group:
             self._group = group
             group.create_task(self._serve_faults(), name="agent faults")
             group.create_task(self.tunnel.run(), name="agent tunnel")
-            group.create_task(self._leases(), name="agent leases")
             if self.front is not None:
                 group.create_task(self.front.run(), name="agent front")
                 await self.front.listening.wait()  # before any replica is advertised
@@ -295,24 +303,22 @@ class Agent:
 
     # Fencing: the controller's lease.
 
-    async def _leases(self) -> None:
-        sub = await self._env.bus.subscribe(self._lease_subject)
-        async for msg in sub:
-            try:
-                ack = _HEARTBEAT_ACK.decode(msg.data)
-            except msgspec.DecodeError as exc:
-                self._log.warning("lease_garbage", error=str(exc)[:200])
-                continue
-            sent = self._sent_at.get(ack.seq)
-            if ack.node_id != self.config.node_id or sent is None or ack.seq <= self._lease_seq:
-                continue  # not ours, too old, or overtaken by a newer ack
-            if self._lease_until is None:
-                self._log.info("lease_granted", lease_s=ack.lease_s)
-            self._lease_seq = ack.seq
-            self._lease_until = sent + ack.lease_s
-            self._leased = frozenset((r.replica_id, r.epoch) for r in ack.replicas)
-            changed, self._lease_changed = self._lease_changed, asyncio.Event()
-            changed.set()
+    def _on_lease(self, msg: Msg) -> None:
+        try:
+            ack = _HEARTBEAT_ACK.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            self._log.warning("lease_garbage", error=str(exc)[:200])
+            return
+        sent = self._sent_at.get(ack.seq)
+        if ack.node_id != self.config.node_id or sent is None or ack.seq <= self._lease_seq:
+            return  # not ours, too old, or overtaken by a newer ack
+        if self._lease_until is None:
+            self._log.info("lease_granted", lease_s=ack.lease_s)
+        self._lease_seq = ack.seq
+        self._lease_until = sent + ack.lease_s
+        self._leased = frozenset((r.replica_id, r.epoch) for r in ack.replicas)
+        changed, self._lease_changed = self._lease_changed, asyncio.Event()
+        changed.set()
 
     async def wait_for_lease(self, replica_id: str, epoch: int) -> None:
         """Until the lease covers `replica_id` at `epoch`, asking for a fresh one at once

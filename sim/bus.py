@@ -14,7 +14,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from typing import Generic, Protocol, TypeVar
 
-from actors.env import Msg, NoResponders, RequestTimeout
+import structlog
+
+from actors.env import Msg, MsgHandler, NoResponders, RequestTimeout
+
+log = structlog.get_logger(__name__)
 
 
 @functools.lru_cache(maxsize=65_536)  # a fleet's few patterns and subjects, met over and over
@@ -95,17 +99,33 @@ class Inbox(Generic[T]):
 
 
 class MemorySubscription:
-    def __init__(self, bus: SubscriptionOwner, subject: str, queue: str, sid: int) -> None:
+    def __init__(
+        self,
+        bus: SubscriptionOwner,
+        subject: str,
+        queue: str,
+        sid: int,
+        handler: MsgHandler | None = None,
+    ) -> None:
         self.bus = bus
         self.subject = subject
         self.queue = queue
         self.sid = sid
+        self.handler = handler
         self._inbox: Inbox[Msg | None] = Inbox()
         self.closed = False
 
     def deliver(self, msg: Msg) -> None:
-        if not self.closed:
+        if self.closed:
+            return
+        if self.handler is None:
             self._inbox.put_nowait(msg)
+            return
+        try:
+            self.handler(msg)
+        except Exception:
+            # One bad message must not stop the deliveries of everyone after it.
+            log.exception("subscription_handler_failed", subject=msg.subject)
 
     def __aiter__(self) -> AsyncIterator[Msg]:
         return self._iterate()
@@ -204,8 +224,10 @@ class MemoryBus:
         """A subject no other caller gets (`_INBOX.<n>`, deterministic), for replies to it."""
         return f"_INBOX.{next(self._inboxes)}"
 
-    async def subscribe(self, subject: str, *, queue: str = "") -> MemorySubscription:
-        sub = MemorySubscription(self, subject, queue, next(self._sids))
+    async def subscribe(
+        self, subject: str, *, queue: str = "", handler: MsgHandler | None = None
+    ) -> MemorySubscription:
+        sub = MemorySubscription(self, subject, queue, next(self._sids), handler)
         self._subs.append(sub)
         return sub
 

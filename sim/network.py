@@ -64,7 +64,7 @@ from typing import Final, NamedTuple
 
 import structlog
 
-from actors.env import BusError, Msg, NoResponders, RandomSource, RequestTimeout
+from actors.env import BusError, Msg, MsgHandler, NoResponders, RandomSource, RequestTimeout
 
 from .bus import MemorySubscription, Plan, pick, plan, subject_matches
 
@@ -141,8 +141,15 @@ class TraceEntry(NamedTuple):
 class SimSubscription(MemorySubscription):
     """A MemorySubscription owned by one endpoint; `known` once the server has it."""
 
-    def __init__(self, endpoint: SimEndpoint, subject: str, queue: str, sid: int) -> None:
-        super().__init__(endpoint, subject, queue, sid)
+    def __init__(
+        self,
+        endpoint: SimEndpoint,
+        subject: str,
+        queue: str,
+        sid: int,
+        handler: MsgHandler | None = None,
+    ) -> None:
+        super().__init__(endpoint, subject, queue, sid, handler)
         self.endpoint = endpoint
         self.known = endpoint.is_connected
 
@@ -232,10 +239,12 @@ class SimEndpoint:
         msg = Msg(subject=subject, data=data, reply=reply, headers=headers)
         self._send(_Outgoing(msg, want_status=False))
 
-    async def subscribe(self, subject: str, *, queue: str = "") -> SimSubscription:
+    async def subscribe(
+        self, subject: str, *, queue: str = "", handler: MsgHandler | None = None
+    ) -> SimSubscription:
         if self.closed:
             raise BusError(f"subscribe to {subject} failed: connection closed")
-        sub = SimSubscription(self, subject, queue, self._net._next_sid())
+        sub = SimSubscription(self, subject, queue, self._net._next_sid(), handler)
         self._subs.append(sub)
         self._net._add(sub)
         return sub

@@ -199,3 +199,36 @@ def _pending(sub: Subscription) -> int:
         return sub.pending
     assert isinstance(sub, MemorySubscription)
     return sub._inbox.qsize()  # deliveries are synchronous in memory: all are queued already
+
+
+async def _handled(b: MemoryBus | NatsBus) -> tuple[list[str], list[str]]:
+    """A handler subscription: what reached the handler, in order, and what its iterator
+    yielded. The handler raises on one message; the ones after it must still arrive."""
+    got: list[str] = []
+
+    def handler(msg: Msg) -> None:
+        if msg.data == b"bad":
+            raise ValueError("a handler that fails on one message")
+        got.append(msg.data.decode())
+
+    sub = await b.subscribe("h.*", handler=handler)
+    for data in (b"1", b"bad", b"2", b"3"):
+        await b.publish("h.x", data)
+    if isinstance(b, NatsBus):
+        await b.flush()
+        await asyncio.sleep(0)  # nats-py hands a message to its callback task
+        for _ in range(100):
+            if len(got) == 3:
+                break
+            await asyncio.sleep(0.01)
+    await sub.unsubscribe()
+    await b.publish("h.x", b"after")
+    if isinstance(b, NatsBus):
+        await b.flush()
+    iterated = [m.data.decode() async for m in sub]
+    return got, iterated
+
+
+async def test_a_handler_takes_messages_in_order_and_survives_one_that_fails(bus: NatsBus) -> None:
+    assert await _handled(bus) == (["1", "2", "3"], [])
+    assert await _handled(MemoryBus()) == (["1", "2", "3"], [])

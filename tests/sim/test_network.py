@@ -722,3 +722,30 @@ def test_messages_due_at_one_tick_reach_a_subscriber_in_one_turn_in_send_order()
 def test_a_negative_tick_is_refused() -> None:
     with pytest.raises(ValueError, match="tick_s"):
         SimNetwork(random.Random(1), tick_s=-0.001)
+
+
+def test_a_handler_subscription_takes_each_message_on_arrival_and_survives_one_that_fails() -> None:
+    async def main() -> tuple[list[tuple[float, str]], list[Msg]]:
+        net = SimNetwork(random.Random(1))
+        got: list[tuple[float, str]] = []
+
+        def handler(msg: Msg) -> None:
+            if msg.data == b"bad":
+                raise ValueError("a handler that fails on one message")
+            got.append((now(), msg.data.decode()))
+
+        sub = await net.endpoint("b").subscribe("h.*", handler=handler)
+        sender = net.endpoint("a")
+        sent_at = now()
+        for data in (b"1", b"bad", b"2"):
+            await sender.publish("h.x", data)
+        await asyncio.sleep(1)
+        await sub.unsubscribe()
+        await sender.publish("h.x", b"after")
+        await asyncio.sleep(1)
+        assert all(at > sent_at for at, _ in got)  # after the link's latency, like any other
+        return got, [m async for m in sub]  # nothing queued: the iteration just ends
+
+    got, queued = simulate(main)
+    assert [data for _, data in got] == ["1", "2"]
+    assert queued == []
