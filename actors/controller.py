@@ -38,6 +38,7 @@ from .intake_limit import IntakeLimiter
 from .live_state import LiveState
 from .node_actor import Beat, Join, NodeActor, NodeMsg
 from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report, Suspect
+from .silence_watch import SilenceWatch
 from .supervision import SupervisionPolicy
 from .system import ActorRef, ActorSystem
 
@@ -86,6 +87,8 @@ class Controller:
             burst=self.config.heartbeat_burst,
         )
         self.liveness = NodeLiveness()
+        # The node actors' silence deadlines, on one timer; a fresh one for each run.
+        self.silence = SilenceWatch(retry_s=health.heartbeat_interval / 4)
         self.heartbeats = HeartbeatRecorder(env, self._heartbeats_lost)
         self.ready = asyncio.Event()
         self._system: ActorSystem | None = None
@@ -112,7 +115,7 @@ class Controller:
     async def node(self, node_id: str) -> ActorRef[NodeMsg]:
         return await self._get_or_spawn(
             f"node:{node_id}",
-            lambda: NodeActor(node_id, self.config.health, self.liveness),
+            lambda: NodeActor(node_id, self.config.health, self.silence, self.liveness),
             {"node": node_id},
         )
 
@@ -154,6 +157,13 @@ class Controller:
             nodes=len(self.live.state.nodes.nodes),
             clusters=len(self.live.state.clusters.clusters),
         )
+        self.silence = SilenceWatch(retry_s=self.config.health.heartbeat_interval / 4)
+        try:
+            await self._serve_all(extra)
+        finally:
+            self.silence.close()
+
+    async def _serve_all(self, extra: list[Callable[[], Coroutine[Any, Any, None]]] | None) -> None:
         async with ActorSystem(self.env) as system, asyncio.TaskGroup() as tasks:
             self._system = system
             tasks.create_task(self.live.run(), name="live-state")

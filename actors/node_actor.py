@@ -10,7 +10,8 @@ period instead of being declared offline for the time the controller itself was 
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -27,9 +28,11 @@ from events.messages import Heartbeat, Register, RegisterReply
 from events.node import HealthState
 
 from .actor import ActorContext
+from .errors import ActorStopped, MailboxFull
 from .event_sourced import EventSourcedActor
 from .health import HealthPolicy, evaluate, missed_heartbeats
 from .heartbeat_recorder import NodeLiveness, verdict_changes
+from .silence_watch import SilenceWatch
 
 
 class NodeState(msgspec.Struct, kw_only=True):
@@ -68,11 +71,19 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
     snapshot_type = NodeState
 
     def __init__(
-        self, node_id: str, policy: HealthPolicy, liveness: NodeLiveness | None = None
+        self,
+        node_id: str,
+        policy: HealthPolicy,
+        silence: SilenceWatch,
+        liveness: NodeLiveness | None = None,
     ) -> None:
         self.node_id = node_id
         self.policy = policy
+        self.silence = silence
         self.liveness = liveness if liveness is not None else NodeLiveness()
+        self._stop_watching: Callable[[], None] | None = None
+        self._at_deadline = False  # the next look is at a threshold: check the silence
+        self._limit = policy.offline_after  # the threshold that look is for, in heartbeats
         self._stream = stream_name("node", node_id)
         self._grace_from = 0.0  # silence counts from here at the earliest
         self._suspect_for: float | None = None  # the last_seen a suspicion was logged for
@@ -112,38 +123,53 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         return state
 
     async def on_recovered(self, ctx: ActorContext[NodeMsg]) -> None:
-        self._grace_from = ctx.env.clock.monotonic()
+        now = ctx.env.clock.monotonic()
+        self._grace_from = now
         self._share_verdict()
-        ctx.create_task(self._watch(ctx), name=f"silence:{self.node_id}")
+        self._at_deadline = False
+        self._stop_watching = self.silence.watch(self.node_id, now, lambda at: self._look(ctx, at))
 
-    async def _watch(self, ctx: ActorContext[NodeMsg]) -> None:
-        # Wake when the next threshold (suspect, then offline) would be crossed if no heartbeat
-        # came, rather than on a fixed tick: a heartbeat in between only moves the deadline.
-        # A tick of a quarter interval cost 4 wake-ups per node per second, most of the
-        # simulator's work at 1,000 nodes, and detected up to a quarter interval late.
+    async def on_stop(self, ctx: ActorContext[NodeMsg]) -> None:
+        if self._stop_watching is not None:
+            self._stop_watching()
+
+    def _look(self, ctx: ActorContext[NodeMsg], now: float) -> float | None:
+        """The fleet's SilenceWatch calls this when this node's next look is due: check the
+        silence if a threshold came up, and say when to look next.
+
+        The next look is when the next threshold (suspect, then offline) would be crossed if no
+        heartbeat came, rather than on a fixed tick: a heartbeat in between only moves that
+        moment, and the watch finds it moved when it gets there.
+        """
+        if ctx.self_ref.stopped:
+            return None
         interval = self.policy.heartbeat_interval
-        # Float rounding can leave a deadline a hair short of the threshold: never wait less.
-        floor = interval / 64
-        while True:
-            if not self.state.registered or self.state.health == "offline":
-                await asyncio.sleep(interval)
-                continue
-            limit = self.policy.offline_after
-            if not self.suspect_logged:
-                limit = min(limit, self.policy.suspect_after)
-            deadline = self.last_seen + limit * interval
-            await asyncio.sleep(max(deadline - ctx.env.clock.monotonic(), floor))
+        if self._at_deadline:
+            self._at_deadline = False
             if not _connected(ctx):
                 if self.cut_off_at is None:
-                    ctx.self_ref.try_tell(CheckSilence())  # it records the cut-off
-                # The Bus protocol has no reconnect event to await: look again shortly.
-                await asyncio.sleep(interval / 4)
-                continue
-            now = ctx.env.clock.monotonic()
+                    self._tell_check(ctx)  # it records the cut-off
+                # The Bus protocol has no reconnect event to wait for: look again shortly.
+                return now + interval / 4
             if self.cut_off_at is not None or (
-                missed_heartbeats(now, self.last_seen, self.policy) >= limit
+                missed_heartbeats(now, self.last_seen, self.policy) >= self._limit
             ):
-                ctx.self_ref.try_tell(CheckSilence())
+                self._tell_check(ctx)
+        if not self.state.registered or self.state.health == "offline":
+            return now + interval
+        limit = self.policy.offline_after
+        if not self.suspect_logged:
+            limit = min(limit, self.policy.suspect_after)
+        self._limit = limit
+        self._at_deadline = True
+        deadline = self.last_seen + limit * interval
+        # Float rounding can leave a deadline a hair short of the threshold: never wait less.
+        return now + max(deadline - now, interval / 64)
+
+    def _tell_check(self, ctx: ActorContext[NodeMsg]) -> None:
+        # A full mailbox is busy with this node already; the look after next asks again.
+        with contextlib.suppress(MailboxFull, ActorStopped):
+            ctx.self_ref.try_tell(CheckSilence())
 
     async def handle(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> object:
         try:
