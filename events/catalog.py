@@ -105,6 +105,8 @@ def stream_name(kind: str, ident: str) -> str:
 
 
 def check_stream(stream: str) -> None:
+    if stream in _VALID_STREAMS:
+        return
     kind, sep, ident = stream.partition("/")
     if not sep:
         raise InvalidAppend(
@@ -112,6 +114,16 @@ def check_stream(stream: str) -> None:
             "or replica/<id>"
         )
     stream_name(kind, ident)
+    if len(_VALID_STREAMS) >= _VALID_STREAMS_KEPT:
+        _VALID_STREAMS.clear()
+    _VALID_STREAMS.add(stream)
+
+
+# Streams already found valid: every append checks its stream, and a fleet appends to the same
+# few thousand over and over (a regular expression per heartbeat otherwise). Only valid names
+# are kept, so garbage cannot grow it; the bound covers a fleet's streams many times over.
+_VALID_STREAMS: set[str] = set()
+_VALID_STREAMS_KEPT = 1 << 17
 
 
 def event_type_names() -> list[str]:

@@ -85,7 +85,10 @@ class MemoryEventStore:
         return positions
 
     def _already_stored(self, stream: str, events: Sequence[NewEvent]) -> list[int] | None:
-        found = [self._by_id.get(e.event_id) for e in events]
+        by_id = self._by_id
+        if len(events) == 1 and events[0].event_id not in by_id:
+            return None  # the common case: one new event
+        found = [by_id.get(e.event_id) for e in events]
         if all(f is None for f in found):
             return None
         if all(f is not None and f.stream == stream for f in found):
