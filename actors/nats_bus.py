@@ -69,7 +69,8 @@ def describe(exc: BaseException, *, timeout: float | None = None) -> str:
 
 class NatsSubscription:
     """A subscription as an async iterator of actors.env.Msg; `unsubscribe()` ends the iteration
-    after the messages already received."""
+    after the messages already received. With a `handler`, each message goes to it instead, in
+    nats-py's callback task for this subscription, and the iteration yields nothing."""
 
     def __init__(
         self,

@@ -64,7 +64,14 @@ class Drain:
     reason: str = ""
 
 
-NodeMsg = Beat | Join | CheckSilence | Drain
+@dataclass(frozen=True, slots=True)
+class LookFailed:
+    """The silence look raised: crash this incarnation, as a failing task of its own would."""
+
+    error: Exception
+
+
+NodeMsg = Beat | Join | CheckSilence | Drain | LookFailed
 
 
 class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
@@ -127,7 +134,12 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         self._grace_from = now
         self._share_verdict()
         self._at_deadline = False
-        self._stop_watching = self.silence.watch(self.node_id, now, lambda at: self._look(ctx, at))
+        self._stop_watching = self.silence.watch(
+            self.node_id,
+            now,
+            lambda at: self._look(ctx, at),
+            on_error=lambda exc: self._tell(ctx, LookFailed(exc)),
+        )
 
     async def on_stop(self, ctx: ActorContext[NodeMsg]) -> None:
         if self._stop_watching is not None:
@@ -167,9 +179,13 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         return now + max(deadline - now, interval / 64)
 
     def _tell_check(self, ctx: ActorContext[NodeMsg]) -> None:
-        # A full mailbox is busy with this node already; the look after next asks again.
+        self._tell(ctx, CheckSilence())
+
+    def _tell(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> None:
+        # A full mailbox is busy with this node already: the next look, at most a quarter
+        # interval later, asks again. (The per-node task this replaced crashed the actor.)
         with contextlib.suppress(MailboxFull, ActorStopped):
-            ctx.self_ref.try_tell(CheckSilence())
+            ctx.self_ref.try_tell(msg)
 
     async def handle(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> object:
         try:
@@ -188,6 +204,8 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                 return await self._on_register(ctx, reg)
             case CheckSilence():
                 return await self._on_check(ctx)
+            case LookFailed(error=error):
+                raise RuntimeError(f"the silence look failed: {error!r}") from error
             case Drain(reason=reason):
                 if not self.state.drained:
                     return await self.persist(

@@ -60,7 +60,8 @@ INJECTED_BUG: str | None = None
 
 
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
-    """The chosen node and GPUs, why they won, and every node considered.
+    """The chosen node and GPUs, why they won, and the nodes considered (the best and the first
+    rejected by name, the rest counted in `why`).
 
     `candidates` lists the accepted nodes best first, `score` counting down from the number of
     accepted nodes (the winner has the highest), then the rejected ones by node id with

@@ -16,6 +16,7 @@ virtual in the simulator.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import itertools
 import math
@@ -29,6 +30,11 @@ Look = Callable[[float], float | None]
 """Called at a deadline with the loop time: does what is due and returns when to look next,
 or None to stop watching."""
 
+OnError = Callable[[Exception], None]
+"""Told what a look raised. The look is asked again `retry_s` later until it is replaced or
+stopped: its owner should crash and restart (and so watch again), as it would have if the
+look had been its own task."""
+
 
 class SilenceWatch:
     def __init__(self, *, retry_s: float) -> None:
@@ -36,7 +42,8 @@ class SilenceWatch:
             raise ValueError("retry_s must be > 0")
         self._retry_s = retry_s  # after a look that raised
         self._heap: list[tuple[float, int, str]] = []  # (when, token, node id)
-        self._looks: dict[str, tuple[int, Look]] = {}  # node id -> (token, look)
+        self._looks: dict[str, tuple[int, Look, OnError | None]] = {}  # node id -> ...
+        self._failures: dict[int, int] = {}  # token -> looks that raised in a row
         self._tokens = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self._armed_at = math.inf
@@ -45,22 +52,28 @@ class SilenceWatch:
     def __len__(self) -> int:
         return len(self._looks)
 
-    def watch(self, node_id: str, at: float, look: Look) -> Callable[[], None]:
+    def watch(
+        self, node_id: str, at: float, look: Look, *, on_error: OnError | None = None
+    ) -> Callable[[], None]:
         """Call `look` at loop time `at`, then whenever it says, until it returns None, the
         returned function is called, or `node_id` is watched again (a new incarnation of its
         actor replaces the old one's look)."""
         if self._closed:
             raise RuntimeError("the silence watch is closed")
         token = next(self._tokens)
-        self._looks[node_id] = (token, look)
+        self._looks[node_id] = (token, look, on_error)
         self._push(at, token, node_id)
 
         def stop() -> None:
-            current = self._looks.get(node_id)
-            if current is not None and current[0] == token:
-                del self._looks[node_id]
+            self._forget(node_id, token)
 
         return stop
+
+    def _forget(self, node_id: str, token: int) -> None:
+        current = self._looks.get(node_id)
+        if current is not None and current[0] == token:
+            del self._looks[node_id]
+        self._failures.pop(token, None)
 
     def close(self) -> None:
         self._closed = True
@@ -69,6 +82,7 @@ class SilenceWatch:
             self._timer = None
         self._heap.clear()
         self._looks.clear()
+        self._failures.clear()
 
     def _push(self, at: float, token: int, node_id: str) -> None:
         heapq.heappush(self._heap, (at, token, node_id))
@@ -78,7 +92,10 @@ class SilenceWatch:
     def _arm(self, at: float) -> None:
         if self._timer is not None:
             self._timer.cancel()
-        self._timer = asyncio.get_running_loop().call_at(at, self._fire)
+        # An empty context: the callback must not run (and log) in the context of whichever
+        # actor happened to arm the timer.
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_at(at, self._fire, context=contextvars.Context())
         self._armed_at = at
 
     def _fire(self) -> None:
@@ -89,19 +106,41 @@ class SilenceWatch:
         due = []
         while heap and heap[0][0] <= now:
             due.append(heapq.heappop(heap))
-        for _, token, node_id in due:
-            current = self._looks.get(node_id)
-            if current is None or current[0] != token:
-                continue  # stopped, or watched again by a newer incarnation
-            try:
-                then = current[1](now)
-            except Exception:
-                # A look that fails must not end the node's watch: silence would go unseen.
-                log.exception("silence_look_failed", node=node_id)
-                then = now + self._retry_s
-            if then is None:
-                del self._looks[node_id]
-            elif not self._closed:
-                heapq.heappush(heap, (then, token, node_id))
-        if heap and not self._closed:
-            self._arm(heap[0][0])
+        done = 0
+        try:
+            for _, token, node_id in due:
+                self._look(now, token, node_id)
+                done += 1
+        finally:
+            # Whatever escaped a look (a BaseException), the other nodes stay watched.
+            for entry in due[done:]:
+                heapq.heappush(heap, entry)
+            if heap and not self._closed:
+                self._arm(heap[0][0])
+
+    def _look(self, now: float, token: int, node_id: str) -> None:
+        current = self._looks.get(node_id)
+        if current is None or current[0] != token:
+            return  # stopped, or watched again by a newer incarnation
+        _, look, on_error = current
+        try:
+            then = look(now)
+        except Exception as exc:
+            # Never the end of the node's watch: silence would go unseen. Its owner is told
+            # (to crash and restart), and the look is asked again meanwhile.
+            failures = self._failures.get(token, 0) + 1
+            self._failures[token] = failures
+            if failures == 1 or failures % 100 == 0:
+                log.exception("silence_look_failed", node=node_id, failures=failures)
+            if on_error is not None:
+                try:
+                    on_error(exc)
+                except Exception:
+                    log.exception("silence_on_error_failed", node=node_id)
+            then = now + self._retry_s
+        else:
+            self._failures.pop(token, None)
+        if then is None:
+            self._forget(node_id, token)
+        elif not self._closed:
+            heapq.heappush(self._heap, (then, token, node_id))

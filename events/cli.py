@@ -152,7 +152,7 @@ def candidate_lines(candidates: tuple[Candidate, ...]) -> list[str]:
 def _capped(items: list[str], sep: str = ", ") -> str:
     shown = sep.join(items[:MAX_CANDIDATES_SHOWN])
     hidden = len(items) - MAX_CANDIDATES_SHOWN
-    return shown + (f"{sep}... {hidden} more (--json lists all)" if hidden > 0 else "")
+    return shown + (f"{sep}... {hidden} more (--json lists all recorded)" if hidden > 0 else "")
 
 
 def _summarise(fields: dict[str, Any]) -> str:

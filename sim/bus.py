@@ -8,6 +8,7 @@ with the same rules (`route`) and adds per-link latency, loss, partitions and ou
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import itertools
 from collections import deque
@@ -217,7 +218,10 @@ class MemoryBus:
         self.published += 1
         targets = route(list(self._subs), msg.subject, self._round_robin)
         for sub in targets:
-            sub.deliver(msg)
+            if sub.handler is None:
+                sub.deliver(msg)
+            else:  # not in the publisher's context (its bound log fields, for one)
+                contextvars.Context().run(sub.deliver, msg)
         return len(targets)
 
     def new_inbox(self) -> str:

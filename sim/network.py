@@ -56,6 +56,7 @@ trace of every message's fate at every subscriber (TraceEntry), to compare two r
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -687,7 +688,10 @@ class SimNetwork:
         due = self._due.get(at)
         if due is None:
             due = self._due[at] = []
-            asyncio.get_running_loop().call_at(at, self._arrive_all, at)
+            # An empty context: a handler subscription runs in the arrival, and must not run
+            # (and log) in the context of whichever sender happened to open this instant.
+            loop = asyncio.get_running_loop()
+            loop.call_at(at, self._arrive_all, at, context=contextvars.Context())
         due.append(what)
         if copies == 2:
             due.append(what)

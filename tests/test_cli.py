@@ -374,4 +374,4 @@ def test_a_long_candidate_list_is_cut_with_a_pointer_to_json() -> None:
     many = tuple(Candidate(node_id=f"n{i:02d}", rejected="drained") for i in range(20))
     (line,) = candidate_lines(many)
     assert line.count(": drained") == MAX_CANDIDATES_SHOWN
-    assert line.endswith(f"; ... {20 - MAX_CANDIDATES_SHOWN} more (--json lists all)")
+    assert line.endswith(f"; ... {20 - MAX_CANDIDATES_SHOWN} more (--json lists all recorded)")

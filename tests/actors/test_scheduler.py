@@ -611,15 +611,16 @@ node_shapes = st.tuples(
 )
 
 
-NAMES = tuple(f"node-{i:02d}" for i in range(16))
+NAMES = tuple(f"node-{i:02d}" for i in range(64))
 
 
 @st.composite
-def fleets(draw: st.DrawFn) -> list[NodeView]:
+def fleets(draw: st.DrawFn, sizes: tuple[int, int] = (1, 12)) -> list[NodeView]:
     # Drawn as a count and a seed rather than a list, which hypothesis keeps short: most fleets
     # should have several nodes competing. The input order is not the node id order.
-    count, order = draw(st.integers(1, 12)), draw(st.integers(0, 2**16))
-    ids = random.Random(order).sample(NAMES, count)
+    count, order = draw(st.integers(*sizes)), draw(st.integers(0, 2**16))
+    names = NAMES if sizes[1] > 16 else NAMES[:16]
+    ids = random.Random(order).sample(names, count)
     nodes = []
     for node_id in ids:
         size, layout, model, vram, region, zone, labels, price, util, health, drained = draw(
@@ -870,3 +871,40 @@ def test_filling_a_fleet_spreads_before_doubling_up(
         assert counts[result.node_id] == min(counts.values())
         placements.append(replica(result.node_id, *result.gpu_indices, cluster=the_spec.name))
     assert the_spec.gpu.count == 0
+
+
+@given(fleets(sizes=(LISTED + 1, 64)), specs, st.integers(0, 2**32), st.data())
+@FLEET_SETTINGS
+def test_a_fleet_larger_than_the_listing_lists_the_best_and_counts_the_rest(
+    nodes: list[NodeView], the_spec: ClusterSpec, seed: int, data: st.DataObject
+) -> None:
+    """Past LISTED nodes a decision names the best ranked (the winner first) and the first
+    rejected by node id, LISTED of each at most, and its `why` counts what it left out; the
+    decision itself still agrees with the oracle."""
+    ids = sorted(n.node_id for n in nodes)
+    holders = data.draw(st.lists(st.sampled_from(ids), max_size=8))
+    placements = [replica(h, 0, cluster=the_spec.name) for h in holders]
+    result = schedule(nodes, the_spec, placements, random.Random(seed))
+    fitting = [n for n in nodes if fits(n, the_spec, placements, ())]
+    rejected_ids = sorted(set(ids) - {n.node_id for n in fitting})
+    rejected = [c for c in result.candidates if c.rejected]
+    assert [c.node_id for c in rejected] == rejected_ids[:LISTED]
+    if isinstance(result, NoFit):
+        assert fitting == []
+        assert sum(
+            int(part.split()[0]) for part in result.reason.split(": ", 1)[1].split(", ")
+        ) == (len(nodes))
+        return
+    keys = {n.node_id: rank(n, nodes, the_spec, placements) for n in fitting}
+    order = sorted(keys, key=lambda nid: (keys[nid], nid))
+    assert keys[result.node_id] == keys[order[0]]
+    ranked = [c for c in result.candidates if not c.rejected]
+    expected = [result.node_id, *(nid for nid in order if nid != result.node_id)][:LISTED]
+    assert [c.node_id for c in ranked] == expected
+    assert [c.score for c in ranked] == [float(len(fitting) - i) for i in range(len(ranked))]
+    if len(fitting) > LISTED or len(rejected_ids) > LISTED:
+        assert f"; {len(fitting)} fit, {len(ranked)} listed" in result.why
+        if rejected_ids:
+            assert f"; {len(rejected_ids)} rejected (" in result.why
+    else:
+        assert " listed" not in result.why

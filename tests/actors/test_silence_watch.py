@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -97,14 +98,48 @@ def test_a_look_that_raises_is_logged_and_asked_again_after_retry_s() -> None:
                 raise RuntimeError("a bug in the look")
             return None
 
+        told: list[str] = []
         with capture_logs() as logs:
-            watch.watch("n1", 1.0, look)
+            watch.watch("n1", 1.0, look, on_error=lambda exc: told.append(str(exc)))
             await asyncio.sleep(5)
-        assert [e["event"] for e in logs] == ["silence_look_failed"] * 2
-        assert logs[0]["node"] == "n1"
+        # Logged once for the run of failures (see the next test), told each time.
+        assert [(e["event"], e["node"], e["failures"]) for e in logs] == [
+            ("silence_look_failed", "n1", 1)
+        ]
+        assert told == ["a bug in the look"] * 2  # the owner hears of each, to crash and restart
         return seen
 
     assert simulate(main) == [1.0, 1.25, 1.5]
+
+
+def test_a_look_that_keeps_failing_is_logged_once_then_every_hundredth_time() -> None:
+    async def main() -> list[int]:
+        watch = SilenceWatch(retry_s=0.25)
+
+        def look(at: float) -> float | None:
+            raise RuntimeError("always")
+
+        with capture_logs() as logs:
+            watch.watch("n1", 0.0, look)
+            await asyncio.sleep(60)  # 241 looks
+        watch.close()
+        return [e["failures"] for e in logs]
+
+    assert simulate(main) == [1, 100, 200]
+
+
+def test_looks_run_in_an_empty_context_not_the_one_that_armed_the_timer() -> None:
+    marker: contextvars.ContextVar[str] = contextvars.ContextVar("marker", default="")
+
+    async def main() -> list[str]:
+        watch = SilenceWatch(retry_s=0.25)
+        seen: list[str] = []
+        marker.set("the actor that armed the timer")
+        watch.watch("a", 1.0, lambda at: seen.append(marker.get()) or None)
+        await asyncio.sleep(2)
+        return seen
+
+    assert simulate(main) == [""]
 
 
 def test_close_cancels_the_timer_and_refuses_new_watches() -> None:

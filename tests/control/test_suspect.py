@@ -8,14 +8,20 @@ replicas it runs keep serving and routing until it is declared offline, or it is
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+from unittest.mock import patch
+
+from structlog.testing import capture_logs
 
 import projections
 from actors.cli import health_policy
 from actors.controller import ControllerConfig
 from actors.health import HealthPolicy
+from actors.node_actor import NodeActor
 from events import NodeHealthChanged, ReplicaPlaced
 from gpumesh.cli import build_parser
 from sim import run_simulation
+from sim.clock import SIM_EPOCH_NS
 from tests.control.harness import Fleet, fleet
 
 SPEC = {"name": "llama", "replicas": 2, "command": "gpumesh workload echo --port {port}"}
@@ -147,5 +153,90 @@ def test_non_default_suspect_and_offline_flags_take_effect() -> None:
             # about 2 s and 3 s.
             assert 3.0 <= suspect_at <= 4.1, suspect_at
             assert 5.0 <= offline_at <= 6.1, offline_at
+
+    run_simulation(main())
+
+
+def health_times(f: Fleet, node_id: str) -> list[tuple[str, float]]:
+    """(state, virtual seconds) of each recorded health change of `node_id`."""
+    return [
+        (e.payload.state, (e.recorded_at - SIM_EPOCH_NS) / 1e9)
+        for e in f.store.read_all_now()
+        if isinstance(e.payload, NodeHealthChanged) and e.payload.node_id == node_id
+    ]
+
+
+def test_suspect_and_offline_are_recorded_at_their_thresholds_from_the_last_heartbeat() -> None:
+    async def main() -> None:
+        async with fleet(2) as f:
+            await asyncio.sleep(3.3)  # heartbeats every second, at no particular phase
+            f.agents["n0"].heartbeating = False
+            await asyncio.sleep(0.01)
+            last = f.controller.liveness.last_heard["n0"]
+            await f.until(
+                lambda: f.state.nodes.nodes["n0"].health == "offline", within=10, why="offline"
+            )
+            (suspect, at_suspect), (offline, at_offline) = health_times(f, "n0")
+            assert (suspect, offline) == ("suspect", "offline")
+            # 2 and 3 missed intervals after the last heartbeat heard: no tick to wait for
+            # (the look comes at the deadline itself, or 1/64 interval after if the float
+            # arithmetic left it a hair short).
+            assert 2.0 - 1e-6 <= at_suspect - last <= 2.0 + 1 / 64 + 1e-6, at_suspect - last
+            assert 3.0 - 1e-6 <= at_offline - last <= 3.0 + 1 / 64 + 1e-6, at_offline - last
+            assert health_times(f, "n1") == []  # the one still heartbeating: nothing
+
+    run_simulation(main())
+
+
+def test_a_failing_silence_look_crashes_the_node_actor_which_restarts_and_still_watches() -> None:
+    failed: list[str] = []
+    look = NodeActor._look
+
+    def failing_once(self: NodeActor, ctx: Any, now: float) -> float | None:
+        if self.node_id == "n0" and not failed:
+            failed.append(self.node_id)
+            raise RuntimeError("a bug in the look")
+        return look(self, ctx, now)
+
+    async def main() -> None:
+        with capture_logs() as logs:
+            async with fleet(2) as f:
+                await asyncio.sleep(2.0)
+                assert failed == ["n0"]
+                f.agents["n0"].heartbeating = False
+                await f.until(
+                    lambda: f.state.nodes.nodes["n0"].health == "offline", within=10, why="offline"
+                )
+        # One crash (n0's actor: the only look that failed), then a restart that watches again.
+        crashes = [(e["incarnation"], e["crashes"]) for e in logs if e["event"] == "actor_crashed"]
+        assert crashes == [(0, 1)]
+
+    with patch.object(NodeActor, "_look", failing_once):
+        run_simulation(main())
+
+
+def test_while_the_controller_is_cut_off_nobody_goes_offline_then_silence_counts_anew() -> None:
+    async def main() -> None:
+        with capture_logs() as logs:
+            async with fleet(2) as f:
+                loop = asyncio.get_running_loop()
+                await asyncio.sleep(2.0)
+                f.bus.is_connected = False  # type: ignore[attr-defined]
+                for agent in f.agents.values():
+                    agent.heartbeating = False
+                await asyncio.sleep(10.0)  # far past offline, had the controller heard anyone
+                assert {n.health for n in f.state.nodes.nodes.values()} == {"healthy"}
+                back = loop.time()
+                f.bus.is_connected = True  # type: ignore[attr-defined]
+                await f.until(
+                    lambda: f.state.nodes.nodes["n0"].health == "offline", within=10, why="offline"
+                )
+                (_, at_suspect), (_, at_offline) = health_times(f, "n0")
+        cut = [e for e in logs if e["event"] == "controller_cut_off"]
+        assert len(cut) == 2  # once per node, not once per look
+        # The return is noticed at the next look (a quarter interval at most), and silence
+        # counts from there: suspect 2 intervals later, offline 3.
+        assert 2.0 <= at_suspect - back <= 2.0 + 0.25 + 1 / 64 + 1e-6, at_suspect - back
+        assert 3.0 <= at_offline - back <= 3.0 + 0.25 + 1 / 64 + 1e-6, at_offline - back
 
     run_simulation(main())

@@ -225,8 +225,9 @@ async def _handled(b: MemoryBus | NatsBus) -> tuple[list[str], list[str]]:
     await b.publish("h.x", b"after")
     if isinstance(b, NatsBus):
         await b.flush()
+        await asyncio.sleep(0.1)  # time for a delivery after unsubscribe to show up, if any
     iterated = [m.data.decode() async for m in sub]
-    return got, iterated
+    return list(got), iterated
 
 
 async def test_a_handler_takes_messages_in_order_and_survives_one_that_fails(bus: NatsBus) -> None:
