@@ -104,6 +104,19 @@ def no_fit(*args: Any, **kwargs: Any) -> NoFit:
     return result
 
 
+def placed_event(result: Placement) -> ReplicaPlaced:
+    """The event the cluster actor records for `result` (replica llama-0, epoch 1)."""
+    return ReplicaPlaced(
+        replica_id="llama-0",
+        cluster="llama",
+        node_id=result.node_id,
+        gpu_indices=result.gpu_indices,
+        epoch=1,
+        why=result.why,
+        candidates=result.candidates,
+    )
+
+
 def rejection(result: Placement | NoFit, node_id: str) -> str:
     (found,) = [c for c in result.candidates if c.node_id == node_id]
     return found.rejected
@@ -513,15 +526,7 @@ def test_a_large_fleet_is_listed_in_summary_and_its_event_stays_small() -> None:
     assert result.why.endswith(
         f"; 3000 fit, {LISTED} listed; 1000 rejected (1000 offline), 20 listed"
     )
-    event = ReplicaPlaced(
-        replica_id="llama-0",
-        cluster="llama",
-        node_id=result.node_id,
-        gpu_indices=result.gpu_indices,
-        epoch=1,
-        why=result.why,
-        candidates=result.candidates,
-    )
+    event = placed_event(result)
     assert len(msgspec.json.encode(event)) < 4096
 
     nothing = no_fit(idle + down, spec(models=("B200",)))
@@ -559,15 +564,7 @@ def test_why_is_one_line_naming_the_winner_and_its_facts() -> None:
 def test_decisions_serialise_and_fill_a_replica_placed_event() -> None:
     result = placed([node("n1"), node("n2", drained=True)])
     assert msgspec.json.decode(msgspec.json.encode(result), type=Placement) == result
-    event = ReplicaPlaced(
-        replica_id="llama-0",
-        cluster="llama",
-        node_id=result.node_id,
-        gpu_indices=result.gpu_indices,
-        epoch=1,
-        why=result.why,
-        candidates=result.candidates,
-    )
+    event = placed_event(result)
     assert msgspec.json.decode(msgspec.json.encode(event), type=ReplicaPlaced) == event
     nofit = no_fit([node("n2", drained=True)])
     assert msgspec.json.decode(msgspec.json.encode(nofit), type=NoFit) == nofit
