@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from .envelope import Envelope
@@ -43,6 +44,21 @@ async def follow(
     page: int = 1000,
 ) -> AsyncGenerator[Envelope, None]:
     """Catch up page by page, then wait for commits. Ends quietly when the store closes."""
+    async with contextlib.aclosing(follow_batches(read_all, signal, from_position, page)) as pages:
+        async for batch in pages:
+            for envelope in batch:
+                yield envelope
+
+
+async def follow_batches(
+    read_all: Callable[[int, int], Awaitable[list[Envelope]]],
+    signal: CommitSignal,
+    from_position: int,
+    page: int = 1000,
+) -> AsyncGenerator[list[Envelope], None]:
+    """`follow`, a page at a time: everything committed since the last page (at most `page`
+    events), never empty. A subscriber that folds a page and then tells its waiters once pays
+    one wake-up per commit instead of one per event."""
     next_position = max(1, from_position)
     while True:
         waiter = signal.current()
@@ -51,8 +67,7 @@ async def follow(
         if signal.head is None or signal.head >= next_position:
             batch = await read_all(next_position, page)
             if batch:
-                for envelope in batch:
-                    yield envelope
+                yield batch
                 next_position = batch[-1].position + 1
                 continue
         await waiter.wait()

@@ -6,7 +6,7 @@ import bisect
 from collections.abc import AsyncGenerator, Sequence
 
 from ._append_rules import check_batch
-from ._commit_signal import CommitSignal, follow
+from ._commit_signal import CommitSignal, follow, follow_batches
 from .catalog import HEARTBEAT_TYPE
 from .envelope import Envelope, NewEvent
 from .errors import ConcurrencyConflict, DuplicateEventId, EventStoreError, StoreClosed
@@ -131,6 +131,9 @@ class MemoryEventStore:
 
     def subscribe(self, from_position: int = 1) -> AsyncGenerator[Envelope, None]:
         return follow(self.read_all, self._signal, from_position)
+
+    def subscribe_batches(self, from_position: int = 1) -> AsyncGenerator[list[Envelope], None]:
+        return follow_batches(self.read_all, self._signal, from_position)
 
     async def head(self) -> int:
         return self._positions[-1] if self._positions else 0

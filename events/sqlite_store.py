@@ -31,7 +31,7 @@ from typing import Any, Final, TypeVar, cast
 import sqlite_utils
 
 from ._append_rules import check_batch
-from ._commit_signal import CommitSignal, follow
+from ._commit_signal import CommitSignal, follow, follow_batches
 from .catalog import HEARTBEAT_TYPE
 from .codec import decode_payload, encode_payload
 from .envelope import Envelope, NewEvent, Undecodable
@@ -513,6 +513,9 @@ class SqliteEventStore:
 
     def subscribe(self, from_position: int = 1) -> AsyncGenerator[Envelope, None]:
         return follow(self._read_for_subscriber, self._signal, from_position)
+
+    def subscribe_batches(self, from_position: int = 1) -> AsyncGenerator[list[Envelope], None]:
+        return follow_batches(self._read_for_subscriber, self._signal, from_position)
 
     async def head(self) -> int:
         return await self._read(self._head_sync)

@@ -64,6 +64,11 @@ class EventStore(Protocol):
         """Catch up from `from_position`, then follow live: no gap, no duplicate."""
         ...
 
+    def subscribe_batches(self, from_position: int = 1) -> AsyncGenerator[list[Envelope], None]:
+        """`subscribe`, a list at a time: what was committed since the last list (a page of at
+        most 1,000 while catching up), never empty. The same events in the same order."""
+        ...
+
     async def head(self) -> int:
         """The highest committed position (0 for an empty log)."""
         ...

@@ -9,6 +9,7 @@ the faults have stopped and the world has settled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -79,8 +80,10 @@ class Checker:
     # -- as the run goes -----------------------------------------------------------------
 
     async def run(self) -> None:
-        async for envelope in self.world.store.subscribe(1):
-            self.check_event(envelope)
+        async with contextlib.aclosing(self.world.store.subscribe_batches(1)) as batches:
+            async for batch in batches:
+                for envelope in batch:
+                    self.check_event(envelope)
 
     def check_event(self, envelope: Envelope) -> None:
         self.events += 1

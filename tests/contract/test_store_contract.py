@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -189,6 +190,42 @@ async def test_subscribe_catches_up_then_follows_live_without_gap_or_duplicate(
         tg.create_task(produce())
         await asyncio.wait_for(enough.wait(), timeout=10)
     assert [e.position for e in seen] == list(range(5, 81))
+
+
+async def test_subscribe_batches_gives_the_same_events_a_commit_at_a_time(
+    store: EventStore,
+) -> None:
+    make = EventMaker()
+    for i in range(30):
+        await store.append("node/a", [make(note("a", i))], i)
+    batches: list[list[int]] = []
+    enough = asyncio.Event()
+    live = asyncio.Event()
+
+    async def consume() -> None:
+        async with contextlib.aclosing(store.subscribe_batches(from_position=5)) as pages:
+            async for batch in pages:
+                batches.append([e.position for e in batch])
+                if batches[-1][-1] == 30:
+                    live.set()  # caught up: what follows arrives as it is committed
+                if batches[-1][-1] == 80:
+                    enough.set()
+                    return
+
+    async def produce() -> None:
+        await live.wait()
+        for i in range(30, 80, 10):  # five commits of ten events each
+            events = [make(note("a", j)) for j in range(i, i + 10)]
+            await store.append("node/a", events, i)
+            await asyncio.sleep(0.01)
+
+    async with asyncio.TaskGroup() as tg:
+        tg.create_task(consume())
+        tg.create_task(produce())
+        await asyncio.wait_for(enough.wait(), timeout=10)
+    assert [p for batch in batches for p in batch] == list(range(5, 81))  # no gap, no repeat
+    assert all(batches)  # never an empty list
+    assert batches[-5:] == [list(range(i, i + 10)) for i in range(31, 81, 10)]  # one per commit
 
 
 async def test_subscription_ends_when_the_store_closes(store: EventStore) -> None:
