@@ -87,7 +87,7 @@ class Controller:
             burst=self.config.heartbeat_burst,
         )
         self.liveness = NodeLiveness()
-        # The node actors' silence deadlines, on one timer; a fresh one for each run.
+        # The node actors' silence deadlines, on one timer; closed when run() ends.
         self.silence = SilenceWatch(retry_s=health.heartbeat_interval / 4)
         self.heartbeats = HeartbeatRecorder(env, self._heartbeats_lost)
         self.ready = asyncio.Event()
@@ -157,7 +157,6 @@ class Controller:
             nodes=len(self.live.state.nodes.nodes),
             clusters=len(self.live.state.clusters.clusters),
         )
-        self.silence = SilenceWatch(retry_s=self.config.health.heartbeat_interval / 4)
         try:
             await self._serve_all(extra)
         finally:

@@ -160,13 +160,13 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             self._at_deadline = False
             if not _connected(ctx):
                 if self.cut_off_at is None:
-                    self._tell_check(ctx)  # it records the cut-off
+                    self._tell(ctx, CheckSilence())  # it records the cut-off
                 # The Bus protocol has no reconnect event to wait for: look again shortly.
                 return now + interval / 4
             if self.cut_off_at is not None or (
                 missed_heartbeats(now, self.last_seen, self.policy) >= self._limit
             ):
-                self._tell_check(ctx)
+                self._tell(ctx, CheckSilence())
         if not self.state.registered or self.state.health == "offline":
             return now + interval
         limit = self.policy.offline_after
@@ -177,9 +177,6 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         deadline = self.last_seen + limit * interval
         # Float rounding can leave a deadline a hair short of the threshold: never wait less.
         return now + max(deadline - now, interval / 64)
-
-    def _tell_check(self, ctx: ActorContext[NodeMsg]) -> None:
-        self._tell(ctx, CheckSilence())
 
     def _tell(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> None:
         # A full mailbox is busy with this node already: the next look, at most a quarter

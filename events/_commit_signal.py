@@ -57,8 +57,8 @@ async def follow_batches(
     page: int = 1000,
 ) -> AsyncGenerator[list[Envelope], None]:
     """`follow`, a page at a time: everything committed since the last page (at most `page`
-    events), never empty. A subscriber that folds a page and then tells its waiters once pays
-    one wake-up per commit instead of one per event."""
+    events), never empty. A subscriber that folds a page can then tell its waiters once per
+    commit instead of once per event."""
     next_position = max(1, from_position)
     while True:
         waiter = signal.current()
