@@ -3,26 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from events import subjects
-from events.messages import ApiReply
+from events.contract import subjects
+from events.contract.messages import ApiReply
+from wire.commandline import add_creds_argument, credentials, nats_for
+from wire.errors import CommandFailed
+from wire.stack import find_nats_url
 
 from .health import HealthPolicy
 from .spec import SpecError, parse_toml
-from .stack import clear_nats_url, find_nats_url, write_nats_url
-
-
-class CommandFailed(Exception):
-    """A one-line, user-facing failure; the CLI prints it and exits non-zero."""
 
 
 def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
@@ -127,28 +122,6 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     nodes.set_defaults(handler=list_nodes)
 
 
-def add_creds_argument(parser: argparse.ArgumentParser, identity: str) -> None:
-    parser.add_argument(
-        "--nats-creds",
-        type=Path,
-        metavar="FILE",
-        help="this process's NATS credentials (`gpumesh certs issue`/`gpumesh node issue` "
-        f"write them); default: the data directory's '{identity}' credentials when the local "
-        "NATS is secured",
-    )
-
-
-def credentials(args: argparse.Namespace, url: str, identity: str) -> Any:
-    """The Credentials to connect with, or None; a bad file is a CommandFailed."""
-    from .nats_access import CredentialsError
-    from .stack import credentials_for
-
-    try:
-        return credentials_for(args.data_dir, url, identity, getattr(args, "nats_creds", None))
-    except CredentialsError as exc:
-        raise CommandFailed(str(exc)) from None
-
-
 def _health_args(parser: argparse.ArgumentParser) -> None:
     d = HealthPolicy()
     parser.add_argument(
@@ -196,36 +169,15 @@ def health_policy(args: argparse.Namespace) -> HealthPolicy:
 # -- the controller --------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def nats_for(data_dir: Path, url: str | None, *, secure: bool = True) -> AsyncIterator[str]:
-    """Yield a NATS URL: the given one, or an embedded server's that lives for the block.
-
-    The embedded server requires TLS and NKEY credentials when the data directory has them
-    (`gpumesh certs init`) and `secure` is true; its URL then starts with tls://."""
-    if url:
-        yield url
-        return
-    from .nats_access import SecurityLayout
-    from .nats_server import EmbeddedNats
-
-    layout = SecurityLayout(data_dir)
-    config = layout.server_config if secure and layout.initialised else None
-    async with EmbeddedNats(data_dir / "nats", config_file=config) as server:
-        write_nats_url(data_dir, server.url)
-        try:
-            yield server.url
-        finally:
-            clear_nats_url(data_dir, server.url)
-
-
 async def run_controller(args: argparse.Namespace) -> int:
     from events.sqlite_store import SqliteEventStore
+    from runtime.real_env import real_env
+    from runtime.shutdown import run_until_signal
+    from wire.nats_bus import NatsBus
+    from wire.nats_commands import JetStreamCommandQueue
 
     from .controller import Controller, ControllerConfig
-    from .nats_bus import NatsBus
-    from .nats_commands import JetStreamCommandQueue
     from .outbox import OutboxPublisher
-    from .real_env import real_env
 
     args.data_dir.mkdir(parents=True, exist_ok=True)
     async with nats_for(args.data_dir, args.nats, secure=not args.insecure) as url:
@@ -242,33 +194,19 @@ async def run_controller(args: argparse.Namespace) -> int:
             controller = Controller(env, commands, config)
             outbox = OutboxPublisher(store, bus)
             print(f"controller: NATS {url}, event log {args.events_db}", file=sys.stderr)
-            await run_until_stopped(controller.run(extra=[outbox.run]))
+            await run_until_signal(controller.run(extra=[outbox.run]))
         finally:
             await store.close()
             await bus.close()
     return 0
 
 
-async def run_until_stopped(main: Any) -> None:
-    """Run `main` until it ends or SIGTERM/SIGINT arrives; then cancel it and let it clean up."""
-    task = asyncio.ensure_future(main)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
-    try:
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-
-
 # -- control API clients -----------------------------------------------------------------
 
 
 async def call(args: argparse.Namespace, verb: str, body: object) -> Any:
-    from .env import NoResponders, RequestTimeout
-    from .nats_bus import NatsBus
+    from runtime.env import NoResponders, RequestTimeout
+    from wire.nats_bus import NatsBus
 
     url = find_nats_url(args.data_dir, getattr(args, "nats", None))
     bus = await NatsBus.connect(

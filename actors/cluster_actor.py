@@ -30,15 +30,15 @@ from events import (
     stream_name,
 )
 from projections.views import NodeView, ReplicaView
+from runtime.actor import ActorContext
+from runtime.env import RandomSource
+from runtime.errors import ActorSystemError
+from runtime.event_sourced import EventSourcedActor
+from runtime.system import ActorRef
 
-from .actor import ActorContext
-from .env import RandomSource
-from .errors import ActorSystemError
-from .event_sourced import EventSourcedActor
 from .live_state import LiveState
 from .replica_actor import ACTIVE, Fail, Place, ReplicaMsg, Stop
 from .scheduler import NoFit, schedule
-from .system import ActorRef
 
 
 class ClusterError(ActorSystemError, ValueError):

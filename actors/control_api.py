@@ -7,14 +7,20 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from events import subjects
 from events.catalog import HEARTBEAT_TYPE
+from events.contract import subjects
+from events.contract.messages import (
+    ApiReply,
+    DrainRequest,
+    EventsRequest,
+    NameRequest,
+    ScaleRequest,
+)
 from events.errors import EventStoreError, StoreFull
-from events.messages import ApiReply, DrainRequest, EventsRequest, NameRequest, ScaleRequest
 from projections import FleetState
+from runtime.env import Msg
 
 from .cluster_actor import ClusterError, Create, Delete, Scale
-from .env import Msg
 from .node_actor import Drain
 from .spec import SpecError, from_mapping
 

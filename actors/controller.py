@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from events import ClusterSpec, subjects
-from events.errors import EventStoreError
-from events.messages import (
+from events import ClusterSpec
+from events.contract import subjects
+from events.contract.messages import (
     Heartbeat,
     HeartbeatAck,
     Register,
@@ -28,10 +28,13 @@ from events.messages import (
     ReplicaSuspicion,
     RoutingUpdate,
 )
+from events.errors import EventStoreError
+from runtime.command_queue import CommandQueue
+from runtime.env import BusError, Env, Msg, RandomSource
+from runtime.supervision import SupervisionPolicy
+from runtime.system import ActorRef, ActorSystem
 
 from .cluster_actor import ClusterActor, ClusterMsg, Reconcile
-from .command_queue import CommandQueue
-from .env import BusError, Env, Msg, RandomSource
 from .health import HealthPolicy
 from .heartbeat_recorder import HeartbeatRecorder, NodeLiveness
 from .intake_limit import IntakeLimiter
@@ -39,8 +42,6 @@ from .live_state import LiveState
 from .node_actor import Beat, Join, NodeActor, NodeMsg
 from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report, Suspect
 from .silence_watch import SilenceWatch
-from .supervision import SupervisionPolicy
-from .system import ActorRef, ActorSystem
 
 T = TypeVar("T")
 

@@ -22,12 +22,12 @@ import asyncio
 from collections.abc import Callable
 
 from events import NodeHeartbeat, stream_name
+from events.contract.messages import Heartbeat
 from events.envelope import NewEvent
 from events.errors import ConcurrencyConflict, EventStoreError
-from events.messages import Heartbeat
 from events.node import HealthState
+from runtime.env import Env
 
-from .env import Env
 from .health import HealthPolicy, evaluate
 
 # Heartbeats waiting for a commit. The intake limiter bounds each node's rate, so this fills

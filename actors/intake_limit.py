@@ -12,7 +12,7 @@ second into the log from within its rate.
 
 from __future__ import annotations
 
-from .env import Clock
+from runtime.env import Clock
 
 # 16 GPUs and 256 replicas, each with a 100-character detail, encode to 68 KiB: 4x that.
 MAX_MESSAGE_BYTES = 256 * 1024

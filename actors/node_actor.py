@@ -24,12 +24,12 @@ from events import (
     NodeRemoved,
     stream_name,
 )
-from events.messages import Heartbeat, Register, RegisterReply
+from events.contract.messages import Heartbeat, Register, RegisterReply
 from events.node import HealthState
+from runtime.actor import ActorContext
+from runtime.errors import ActorStopped, MailboxFull
+from runtime.event_sourced import EventSourcedActor
 
-from .actor import ActorContext
-from .errors import ActorStopped, MailboxFull
-from .event_sourced import EventSourcedActor
 from .health import HealthPolicy, evaluate, missed_heartbeats
 from .heartbeat_recorder import NodeLiveness, verdict_changes
 from .silence_watch import SilenceWatch

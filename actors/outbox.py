@@ -32,16 +32,15 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
-from events import Envelope, EventStore, subjects
+from events import Envelope, EventStore
 from events.codec import encode_envelope
-
-from .env import BusError
-from .nats_bus import NatsBus, describe, ensure_stream
+from events.contract import subjects
+from events.contract.subjects import POSITION_HEADER, VERSION_HEADER
+from runtime.env import BusError
+from wire.nats_bus import NatsBus, describe, ensure_stream
 
 log = structlog.get_logger("gpumesh.outbox")
 
-POSITION_HEADER: Final = "Gpumesh-Position"
-VERSION_HEADER: Final = "Gpumesh-Stream-Version"
 DUPLICATE_WINDOW_S: Final = 600.0
 DEFAULT_MAX_AGE_S: Final = 7 * 24 * 3600.0
 

@@ -25,13 +25,12 @@ from events import (
     ReplicaSuspected,
     stream_name,
 )
-from events.messages import ReplicaState, StartReplica, StopReplica
+from events.contract.messages import ReplicaState, StartReplica, StopReplica
 from events.replica import FailureReason
 from projections.views import ReplicaStatus
-
-from .actor import ActorContext
-from .command_queue import CommandQueue
-from .event_sourced import EventSourcedActor
+from runtime.actor import ActorContext
+from runtime.command_queue import CommandQueue
+from runtime.event_sourced import EventSourcedActor
 
 ACTIVE: tuple[ReplicaStatus, ...] = ("placed", "starting", "ready")
 

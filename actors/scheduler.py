@@ -45,8 +45,7 @@ import msgspec
 
 from events import Candidate, ClusterSpec, GpuInfo
 from projections.views import NodeView, ReplicaView
-
-from .env import RandomSource
+from runtime.env import RandomSource
 
 __all__ = ["NoFit", "Placement", "free_gpus", "schedule"]
 

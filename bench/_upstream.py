@@ -193,9 +193,9 @@ async def proxy(args: argparse.Namespace) -> None:
 async def routing(args: argparse.Namespace) -> None:
     import msgspec
 
-    from actors.nats_bus import NatsBus
-    from events import subjects
-    from events.messages import ApiReply, RouteEntry, RoutingUpdate
+    from events.contract import subjects
+    from events.contract.messages import ApiReply, RouteEntry, RoutingUpdate
+    from wire.nats_bus import NatsBus
 
     routes: dict[str, list[RouteEntry]] = {}
     for spec in args.route:
@@ -236,8 +236,8 @@ async def routing(args: argparse.Namespace) -> None:
 
 
 async def agent(args: argparse.Namespace) -> None:
-    from actors.nats_bus import NatsBus
     from nodeagent.tunnel import TunnelServer
+    from wire.nats_bus import NatsBus
 
     table: dict[str, str] = {}
     for spec in args.replica:

@@ -47,11 +47,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import projections  # noqa: E402
-from actors.env import BusError  # noqa: E402
 from bench._gateway_process import GatewayProcess  # noqa: E402
-from events import subjects  # noqa: E402
+from events.contract import subjects  # noqa: E402
 from events.sqlite_store import SqliteEventStore  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
+from runtime.env import BusError  # noqa: E402
 from tests.integration.stack import ApiError, Stack, echo_spec  # noqa: E402
 
 VICTIMS = ("controller", "agent", "gateway", "nats")

@@ -1,4 +1,4 @@
-"""What the node's fencing front (nodeagent/front.py) adds to a direct-transport request.
+"""What the node's fencing front (nodeagent/fencing_front.py) adds to a direct-transport request.
 
     python bench/front.py [--requests 3000] [--json]
 
@@ -27,7 +27,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nodeagent.front import DirectFront, front_path  # noqa: E402
+from nodeagent.fencing_front import DirectFront, front_path  # noqa: E402
 from tests.integration.gateway_kit import free_port  # noqa: E402
 
 CHAT = b'{"model": "echo", "messages": [{"role": "user", "content": "front"}]}'

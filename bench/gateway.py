@@ -343,7 +343,7 @@ def start_stack(procs: Procs, workdir: Path, args: argparse.Namespace) -> Stack:
         )
         hold = ("h1", port, child)
     nats_port = free_port()
-    from actors.nats_server import find_nats_server
+    from wire.nats_server import find_nats_server
 
     nats = procs.start(
         "nats-server",

@@ -34,9 +34,10 @@ import projections  # noqa: E402
 from actors.health import HealthPolicy  # noqa: E402
 from actors.heartbeat_recorder import NodeLiveness, heartbeat_event  # noqa: E402
 from actors.intake_limit import IntakeLimiter  # noqa: E402
-from events import NodeRegistered, new_event, stream_name, subjects  # noqa: E402
+from events import NodeRegistered, new_event, stream_name  # noqa: E402
+from events.contract import subjects  # noqa: E402
+from events.contract.messages import Heartbeat, HeartbeatAck, ReplicaLease, ReplicaState  # noqa: E402
 from events.memory_store import MemoryEventStore  # noqa: E402
-from events.messages import Heartbeat, HeartbeatAck, ReplicaLease, ReplicaState  # noqa: E402
 from nodeagent.gpu import FakeGpuProbe  # noqa: E402
 from projections import FleetState  # noqa: E402
 

@@ -32,17 +32,17 @@ sys.path.insert(0, str(ROOT))
 
 from actors.controller import Controller, ControllerConfig  # noqa: E402
 from actors.health import HealthPolicy  # noqa: E402
-from actors.nats_bus import NatsBus  # noqa: E402
-from actors.nats_server import EmbeddedNats  # noqa: E402
 from actors.outbox import OutboxPublisher  # noqa: E402
-from actors.real_env import real_env  # noqa: E402
-from events import subjects  # noqa: E402
-from events.messages import Heartbeat, Register  # noqa: E402
+from events.contract import subjects  # noqa: E402
+from events.contract.messages import Heartbeat, Register  # noqa: E402
 from events.node import GpuInfo, GpuMetrics, NodeHealthChanged, NodeHeartbeat  # noqa: E402
 from events.sqlite_store import SqliteEventStore  # noqa: E402
 from gpumesh.gc_tuning import tune_collector  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
+from runtime.real_env import real_env  # noqa: E402
 from sim.commands import MemoryCommandQueue  # noqa: E402
+from wire.nats_bus import NatsBus  # noqa: E402
+from wire.nats_server import EmbeddedNats  # noqa: E402
 
 TARGET = 20_000
 

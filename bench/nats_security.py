@@ -29,12 +29,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from actors.nats_access import Credentials, SecurityLayout, load_credentials  # noqa: E402
-from actors.nats_bus import NatsBus  # noqa: E402
-from actors.nats_server import EmbeddedNats  # noqa: E402
-from events import subjects  # noqa: E402
+from events.contract import subjects  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
 from gpumesh.security import identities  # noqa: E402
+from wire.nats_access import Credentials, SecurityLayout, load_credentials  # noqa: E402
+from wire.nats_bus import NatsBus  # noqa: E402
+from wire.nats_server import EmbeddedNats  # noqa: E402
 
 NODE = "node-0"
 

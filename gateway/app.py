@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from actors.env import Bus
+from runtime.env import Bus
 
 from .auth import KeyRing
 from .control_routes import control_app

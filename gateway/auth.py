@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from hashlib import sha256
 from typing import Any
 
-from actors.env import Clock
-from actors.real_env import LoopClock
+from runtime.env import Clock
+from runtime.real_env import LoopClock
 
 
 class KeyFileError(ValueError):

@@ -11,8 +11,8 @@ import hashlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from actors.env import RandomSource
-from events.messages import RouteEntry
+from events.contract.messages import RouteEntry
+from runtime.env import RandomSource
 
 
 def stable_hash(text: str) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from actors.stack import find_nats_url
+from wire.stack import find_nats_url
 
 from .retry import RetryPolicy
 from .router import RouterConfig
@@ -173,9 +173,11 @@ async def run_gateway(args: argparse.Namespace) -> int:
 
     import structlog
 
-    from actors.cli import CommandFailed, credentials, run_until_stopped
-    from actors.nats_bus import NatsBus
-    from actors.real_env import LoopClock, seeded_rng_factory
+    from runtime.real_env import LoopClock, seeded_rng_factory
+    from runtime.shutdown import run_until_signal
+    from wire.commandline import credentials
+    from wire.errors import CommandFailed
+    from wire.nats_bus import NatsBus
 
     from .access_log import access_log_for
     from .auth import KeyFileError, KeyRing
@@ -206,7 +208,7 @@ async def run_gateway(args: argparse.Namespace) -> int:
             f"{'https' if config.tls_cert else 'http'}://{config.host}:{config.port}",
             file=sys.stderr,
         )
-        await run_until_stopped(gateway.run())
+        await run_until_signal(gateway.run())
     finally:
         await bus.close()
     return 0

@@ -50,11 +50,11 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from actors.env import Bus, BusError, Msg, NoResponders, RequestTimeout, Subscription
-from actors.outbox import POSITION_HEADER
-from events import subjects
 from events.catalog import HEARTBEAT_TYPE
-from events.messages import ApiReply
+from events.contract import subjects
+from events.contract.messages import ApiReply
+from events.contract.subjects import POSITION_HEADER
+from runtime.env import Bus, BusError, Msg, NoResponders, RequestTimeout, Subscription
 
 log = structlog.get_logger("gpumesh.gateway.control")
 

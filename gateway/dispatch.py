@@ -10,8 +10,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from actors.env import Clock, RandomSource
-from events.messages import RouteEntry
+from events.contract.messages import RouteEntry
+from runtime.env import Clock, RandomSource
 
 from .retry import RetryPolicy
 from .router import Ejection, Router

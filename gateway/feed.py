@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
-from actors.env import Bus, BusError, Msg
-from events import subjects
-from events.messages import ApiReply, RoutingUpdate
+from events.contract import subjects
+from events.contract.messages import ApiReply, RoutingUpdate
+from runtime.env import Bus, BusError, Msg
 
 from .dispatch import Dispatcher
 from .router import Router

@@ -1,7 +1,7 @@
 """The gateway's front door: client connections served on asyncio protocols.
 
 Every connection starts here. An ordinary inference request (an OpenAI route or /c/<cluster>/,
-a Content-Length body or none; see actors/http1.py for exactly what is taken) is parsed here
+a Content-Length body or none; see wire/http1.py for exactly what is taken) is parsed here
 and given straight to the proxy, with no per-request objects beyond the proxy's own: aiohttp's
 server, its router and its middleware were a third of the gateway's CPU per request.
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
-from actors.http1 import (
+from wire.http1 import (
     LAST_CHUNK,
     MAX_HEAD_BYTES,
     RequestHead,
@@ -382,7 +382,7 @@ class FrontConnection(asyncio.Protocol):
             transport.write(encode_chunk(data))
         if self._writing_paused:
             # The client reads slower than the replica writes: wait, so the replica's side
-            # pauses too (actors/http_client.py) instead of our memory growing.
+            # pauses too (wire/http_client.py) instead of our memory growing.
             self._drain = self._loop.create_future()
             try:
                 await self._drain

@@ -19,8 +19,8 @@ from typing import Any, Literal, cast
 import msgspec
 from aiohttp import web
 
-from events.messages import RouteEntry
-from events.tunnel import HOP_BY_HOP
+from events.contract.messages import RouteEntry
+from events.contract.tunnel import HOP_BY_HOP
 
 from .access_log import AccessLog, StructlogAccessLog
 from .auth import ANONYMOUS, KeyRing, Tenant

@@ -3,7 +3,7 @@
 gateway/proxy.py decides what to answer; a `Sink` carries it to the client. Two carry it: the
 front's own connections (gateway/front.py, the fast path every ordinary inference request
 takes) and `AiohttpSink`, for the requests the front hands to aiohttp (anything unusual, see
-actors/http1.py). Both answer the same bytes' worth of HTTP; the proxy cannot tell them apart.
+wire/http1.py). Both answer the same bytes' worth of HTTP; the proxy cannot tell them apart.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from actors.env import RandomSource
+from runtime.env import RandomSource
 
 from .transport.base import Outcome, UpstreamError
 

@@ -11,8 +11,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from actors.env import Clock, RandomSource
-from events.messages import RouteEntry, RoutingUpdate
+from events.contract.messages import RouteEntry, RoutingUpdate
+from runtime.env import Clock, RandomSource
 
 from .balancer import HashRing, bounded_affinity, power_of_two
 from .transport.base import Outcome

@@ -16,9 +16,9 @@ from typing import Any, Literal
 import msgspec
 import structlog
 
-from actors.env import Bus, BusError, Clock, RandomSource
-from events import subjects
-from events.messages import ReplicaSuspicion
+from events.contract import subjects
+from events.contract.messages import ReplicaSuspicion
+from runtime.env import Bus, BusError, Clock, RandomSource
 
 from .access_log import AccessLog
 from .app import build_app

@@ -41,8 +41,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 
-from events import ClusterSpec, Envelope, GpuRequirement, subjects
-from events.messages import ApiReply, EventsRequest, Fault, FaultReply
+from events import ClusterSpec, Envelope, GpuRequirement
+from events.contract import subjects
+from events.contract.messages import ApiReply, EventsRequest, Fault, FaultReply
 from sim.env import SeededStreams
 from sim.scenario import NODE_FAULTS, FaultPlan, Scenario
 from sim.world import RequestLog
@@ -50,7 +51,7 @@ from sim.world import RequestLog
 if TYPE_CHECKING:
     import aiohttp
 
-    from actors.env import Bus, RandomSource
+    from runtime.env import Bus, RandomSource
     from sim.invariants import Checker
     from sim.run import RunResult
 
@@ -94,7 +95,7 @@ _VALUED = {"--data-dir", "--log-level", "--log-format"}  # common options before
 
 
 def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
-    from actors.cli import add_creds_argument
+    from wire.commandline import add_creds_argument
 
     chaos = commands.add_parser(
         "chaos",
@@ -587,7 +588,7 @@ class ChaosRun:
         self.checker.check_event(shifted)
 
     async def _follow(self) -> None:
-        from actors.env import BusError
+        from runtime.env import BusError
 
         while True:
             # The controller restarting, or NATS stopped: try again at the next tick.
@@ -616,7 +617,7 @@ class ChaosRun:
                     f"no gateway answers at {self.gateway} ({type(exc).__name__}); pass "
                     "--gateway URL (gpumesh up serves one on 127.0.0.1:8080)"
                 ) from None
-        from actors.env import NoResponders
+        from runtime.env import NoResponders
 
         try:
             await self.catch_up()
@@ -661,7 +662,7 @@ class ChaosRun:
 
     async def finish(self, *, judge: bool) -> None:
         """Read the log to its head and, if `judge`, check liveness as the simulator does."""
-        from actors.env import BusError
+        from runtime.env import BusError
         from sim.invariants import Violation
 
         self.ended_at = self.now()
@@ -717,7 +718,7 @@ class ChaosRun:
             self.note(f"cluster {plan.name} created ({plan.replicas} replicas): {reply.ok}{error}")
 
     async def _api(self, verb: str, body: object, *, timeout: float) -> ApiReply:
-        from actors.env import BusError
+        from runtime.env import BusError
 
         try:
             raw = await self.bus.request(
@@ -820,7 +821,7 @@ class ChaosRun:
         return draw(self.nodes, fault.nodes, self.rng)
 
     async def _apply(self, fault: FaultPlan) -> None:
-        from actors.env import BusError
+        from runtime.env import BusError
 
         # The checker snapshots the victims' replicas: let it see the log as it is now.
         with contextlib.suppress(BusError, ChaosError, msgspec.DecodeError):
@@ -932,7 +933,7 @@ class ChaosRun:
 
     async def _gpu_fault(self, node: NodeState, fault: Fault) -> str:
         """Send a fake-GPU fault; "" on success, else why not."""
-        from actors.env import BusError, NoResponders
+        from runtime.env import BusError, NoResponders
 
         try:
             raw = await self.bus.request(
@@ -1202,12 +1203,13 @@ def _gateway_url(text: str) -> str:
 
 
 async def run_chaos(args: argparse.Namespace) -> int:
-    from actors.cli import CommandFailed, credentials
-    from actors.nats_bus import NatsBus
-    from actors.stack import find_nats_url
     from sim.cli import git_commit
     from sim.run import find_scenario
     from sim.scenario import load
+    from wire.commandline import credentials
+    from wire.errors import CommandFailed
+    from wire.nats_bus import NatsBus
+    from wire.stack import find_nats_url
 
     if args.speed <= 0:
         raise CommandFailed("--speed must be > 0")
@@ -1276,31 +1278,28 @@ async def run_chaos(args: argparse.Namespace) -> int:
 
 async def _interruptible(run: ChaosRun) -> None:
     """Run until the end or the first SIGINT/SIGTERM; a second one waits for the clean-up."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.create_task(run.run(), name="chaos")
+    from runtime.shutdown import run_until_signal
 
-    def stop() -> None:
-        if not run.interrupted:
-            run.interrupted = True
-            run.note("interrupted: continuing what is stopped, starting what was killed")
-            task.cancel()
-        else:
-            _progress("cleaning up, please wait")
+    def interrupted() -> None:
+        run.interrupted = True
+        run.note("interrupted: continuing what is stopped, starting what was killed")
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
+    await run_until_signal(
+        _run_then_restore(run),
+        on_signal=interrupted,
+        on_second=lambda: _progress("cleaning up, please wait"),
+    )
+
+
+async def _run_then_restore(run: ChaosRun) -> None:
     try:
-        try:
-            await task
-        except asyncio.CancelledError:
-            if not run.interrupted:
-                raise
-            await run.finish(judge=False)
-        finally:
-            await run.restore()  # with the handlers still in place: a second Ctrl-C waits
+        await run.run()
+    except asyncio.CancelledError:
+        if not run.interrupted:
+            raise
+        await run.finish(judge=False)
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        await run.restore()  # with the handlers still in place: a second Ctrl-C waits
 
 
 # -- the plan (--dry-run) ------------------------------------------------------------------------

@@ -110,13 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Failures a user can act on: printed as one line, no traceback."""
-    from actors.cli import CommandFailed
-    from actors.env import BusError
-    from actors.nats_access import CredentialsError
-    from actors.nats_server import NatsServerError
     from actors.spec import SpecError
     from projections.projector import ReadModelError
+    from runtime.env import BusError
     from sim.scenario import ScenarioError
+    from wire.errors import CommandFailed
+    from wire.nats_access import CredentialsError
+    from wire.nats_server import NatsServerError
 
     return (
         EventStoreError,

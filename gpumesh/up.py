@@ -19,8 +19,9 @@ from typing import IO, Any
 
 import msgspec
 
-from events import ClusterSpec, subjects
-from events.messages import ApiReply
+from events import ClusterSpec
+from events.contract import subjects
+from events.contract.messages import ApiReply
 
 REGIONS = ("eu-west", "us-east", "ap-south")
 DEMO_CLUSTER = "echo"
@@ -81,14 +82,16 @@ def demo_spec() -> ClusterSpec:
 
 
 async def run_up(args: argparse.Namespace) -> int:
-    from actors.cli import credentials, health_policy, nats_for
+    from actors.cli import health_policy
     from actors.controller import Controller, ControllerConfig
     from actors.health import HealthPolicy
-    from actors.nats_bus import NatsBus
-    from actors.nats_commands import JetStreamCommandQueue
     from actors.outbox import OutboxPublisher
-    from actors.real_env import real_env
     from events.sqlite_store import SqliteEventStore
+    from runtime.real_env import real_env
+    from runtime.shutdown import run_until_signal
+    from wire.commandline import credentials, nats_for
+    from wire.nats_bus import NatsBus
+    from wire.nats_commands import JetStreamCommandQueue
 
     data_dir: Path = args.data_dir
     logs = data_dir / "logs"
@@ -112,35 +115,14 @@ async def run_up(args: argparse.Namespace) -> int:
             )
             outbox = OutboxPublisher(store, bus)
             stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.add_signal_handler(sig, stop.set)
             gateway = None if args.no_gateway else _gateway(args, bus)
-            async with asyncio.TaskGroup() as tasks:
-                ctl = tasks.create_task(controller.run(extra=[outbox.run]), name="controller")
-                await controller.ready.wait()
-                say(f"controller ready; event log {args.events_db}")
-                gw = None
-                if gateway is not None:
-                    gw = tasks.create_task(gateway.run(), name="gateway")
-                    await _started(gateway, gw)
-                    say(f"gateway serving on {gateway.url} ({args.transport} transport)")
-                for i in range(args.nodes):
-                    agents.append(await _spawn_agent(url, i, args, logs))
-                await _wait_nodes(controller, args.nodes, stop, agents, logs)
-                if args.demo and not stop.is_set():
-                    await _demo(bus, controller, stop)
-                _summary(args, url, controller, gateway.url if gateway else "")
-                await stop.wait()
-                say("stopping: the gateway, the agents (they stop their workloads), the controller")
-                if gw is not None:
-                    gw.cancel()  # it stops accepting and drains in-flight requests (10 s)
-                    await asyncio.wait({gw})
-                await _stop_agents(agents)
-                ctl.cancel()
+            # The first signal ends the stack in order; a second one cancels that order.
+            await run_until_signal(
+                _serve(args, url, bus, controller, outbox, gateway, agents, logs, stop),
+                on_signal=stop.set,
+                cancel=False,
+            )
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                asyncio.get_running_loop().remove_signal_handler(sig)
             await _stop_agents(agents)
             await store.close()
             await bus.close()
@@ -148,11 +130,48 @@ async def run_up(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _serve(
+    args: argparse.Namespace,
+    url: str,
+    bus: Any,
+    controller: Any,
+    outbox: Any,
+    gateway: Any,
+    agents: list[asyncio.subprocess.Process],
+    logs: Path,
+    stop: asyncio.Event,
+) -> None:
+    """The controller, the gateway and the agents, until `stop`; then each stopped in turn."""
+    say = _progress
+    async with asyncio.TaskGroup() as tasks:
+        ctl = tasks.create_task(controller.run(extra=[outbox.run]), name="controller")
+        await controller.ready.wait()
+        say(f"controller ready; event log {args.events_db}")
+        gw = None
+        if gateway is not None:
+            gw = tasks.create_task(gateway.run(), name="gateway")
+            await _started(gateway, gw)
+            say(f"gateway serving on {gateway.url} ({args.transport} transport)")
+        for i in range(args.nodes):
+            agents.append(await _spawn_agent(url, i, args, logs))
+        await _wait_nodes(controller, args.nodes, stop, agents, logs)
+        if args.demo and not stop.is_set():
+            await _demo(bus, controller, stop)
+        _summary(args, url, controller, gateway.url if gateway else "")
+        await stop.wait()
+        say("stopping: the gateway, the agents (they stop their workloads), the controller")
+        if gw is not None:
+            gw.cancel()  # it stops accepting and drains in-flight requests (10 s)
+            await asyncio.wait({gw})
+        await _stop_agents(agents)
+        ctl.cancel()
+
+
 def _secure(data_dir: Path, nodes: int) -> None:
     """A CA, the server's certificate and one identity per process, created once and reused."""
-    from actors.cli import CommandFailed
-    from actors.nats_access import SecurityLayout
     from gpumesh.security import identities
+    from wire.errors import CommandFailed
+    from wire.nats_access import SecurityLayout
 
     layout = SecurityLayout(data_dir)
     try:
@@ -184,7 +203,7 @@ def _progress(text: str) -> None:
 async def _spawn_agent(
     url: str, index: int, args: argparse.Namespace, logs: Path
 ) -> asyncio.subprocess.Process:
-    from actors.nats_access import SecurityLayout
+    from wire.nats_access import SecurityLayout
 
     node_id = f"node-{index}"
     creds = SecurityLayout(args.data_dir).creds(node_id)
@@ -236,7 +255,7 @@ async def _wait_nodes(
         for index, proc in enumerate(agents):
             if proc.returncode is not None:
                 # It will never register: say so instead of waiting forever.
-                from actors.cli import CommandFailed
+                from wire.errors import CommandFailed
 
                 raise CommandFailed(
                     f"agent node-{index} exited with code {proc.returncode} before registering; "
@@ -282,12 +301,12 @@ async def _demo(bus: Any, controller: Any, stop: asyncio.Event) -> None:
 def _gateway(args: argparse.Namespace, bus: Any) -> Any:
     import structlog
 
-    from actors.cli import CommandFailed
-    from actors.real_env import LoopClock, seeded_rng_factory
     from gateway.access_log import access_log_for
     from gateway.auth import KeyFileError, KeyRing
     from gateway.cli import parse_listen
     from gateway.server import Gateway, GatewayConfig
+    from runtime.real_env import LoopClock, seeded_rng_factory
+    from wire.errors import CommandFailed
 
     try:
         host, port = parse_listen(args.gateway)

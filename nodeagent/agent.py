@@ -14,10 +14,8 @@ from typing import Any, cast
 
 import msgspec
 
-from actors.command_queue import CommandQueue, Delivery
-from actors.env import BusError, Env, Msg, NoResponders, RequestTimeout
-from events import subjects
-from events.messages import (
+from events.contract import subjects
+from events.contract.messages import (
     Fault,
     FaultReply,
     Heartbeat,
@@ -30,9 +28,11 @@ from events.messages import (
     StopReplica,
 )
 from events.node import GpuMetrics
+from runtime.command_queue import CommandQueue, Delivery
+from runtime.env import BusError, Env, Msg, NoResponders, RequestTimeout
 
 from .config import AgentConfig
-from .front import DirectFront, front_path
+from .fencing_front import DirectFront, front_path
 from .gpu.probe import FaultInjectable, GpuProbe, ProbeError
 from .replica import ReplicaRunner, http_address
 from .tunnel import TunnelServer

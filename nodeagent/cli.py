@@ -13,17 +13,17 @@ import contextlib
 import importlib.metadata
 import socket
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 
-from actors.env import BusError, NoResponders, RequestTimeout
-from actors.shutdown import install_signal_handlers
-from events import subjects
+from events.contract import subjects
+from events.contract.messages import Fault, FaultReply
 from events.ids import valid_id
-from events.messages import Fault, FaultReply
+from runtime.env import BusError, NoResponders, RequestTimeout
+from runtime.shutdown import run_until_signal
 
 from .config import AgentConfig
 from .workload import echo
@@ -169,7 +169,7 @@ def _error(message: str) -> None:
 
 
 def _nats_url(args: argparse.Namespace) -> str:
-    from actors.stack import find_nats_url
+    from wire.stack import find_nats_url
 
     return find_nats_url(Path(getattr(args, "data_dir", None) or "."), getattr(args, "nats", None))
 
@@ -179,7 +179,7 @@ _T = TypeVar("_T")
 
 def _credentials(args: argparse.Namespace, url: str, identity: str) -> Any:
     """Raises CredentialsError (one line) for a missing or malformed file."""
-    from actors.stack import credentials_for
+    from wire.stack import credentials_for
 
     data_dir = Path(getattr(args, "data_dir", None) or ".")
     return credentials_for(data_dir, url, identity, getattr(args, "nats_creds", None))
@@ -266,11 +266,11 @@ async def _open_driver(args: argparse.Namespace) -> Any:
 
 
 async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driver: Any) -> int:
-    from actors.nats_access import CredentialsError
-    from actors.nats_bus import BusUnavailable, NatsBus
-    from actors.nats_commands import JetStreamCommandQueue
-    from actors.real_env import real_env
     from events import MemoryEventStore
+    from runtime.real_env import real_env
+    from wire.nats_access import CredentialsError
+    from wire.nats_bus import BusUnavailable, NatsBus
+    from wire.nats_commands import JetStreamCommandQueue
 
     from .agent import Agent
 
@@ -290,7 +290,7 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
         agent = Agent(env, commands, probe, driver, config)
         bus.add_reconnect_callback(agent.on_reconnect)
         revoked = await run_until_signal(
-            _until_refused(agent.run(), bus.credentials_refused), force=agent.force_stop
+            _until_refused(agent.run(), bus.credentials_refused), on_second=agent.force_stop
         )
     except BusError as exc:
         _error(f"NATS at {url}: {exc}")
@@ -320,30 +320,9 @@ async def _until_refused(main: Coroutine[Any, Any, None], refused: asyncio.Event
         return False
 
 
-async def run_until_signal(
-    main: Coroutine[Any, Any, _T], *, force: Callable[[], None] | None = None
-) -> _T | None:
-    """Run `main` until it returns, or until SIGTERM/SIGINT cancels it; a second signal calls
-    `force` (the agent then kills the workloads it is still stopping gracefully)."""
-    loop = asyncio.get_running_loop()
-    async with asyncio.TaskGroup() as group:
-        task = group.create_task(main, name="main")
-
-        def first() -> None:
-            task.cancel()
-
-        def second() -> None:
-            if force is not None:
-                force()
-
-        with install_signal_handlers(loop, first, second):
-            await asyncio.wait({task})
-    return None if task.cancelled() else task.result()
-
-
 async def send_fault(args: argparse.Namespace) -> int:
-    from actors.nats_access import CredentialsError
-    from actors.nats_bus import BusUnavailable, NatsBus
+    from wire.nats_access import CredentialsError
+    from wire.nats_bus import BusUnavailable, NatsBus
 
     if not valid_id(args.node):
         _error(f"invalid node id {args.node!r}")

@@ -50,7 +50,7 @@ class AgentConfig:
     register_backoff_s: float = 0.5
     register_backoff_max_s: float = 10.0
     agent_version: str = ""
-    # Advertise replicas behind the node's own HTTP front (nodeagent/front.py), which serves
+    # Advertise replicas behind the node's own HTTP front (nodeagent/fencing_front.py), which serves
     # a replica only while the controller's lease covers it: the direct transport's fence.
     direct_front: bool = False
     front_port: int = 0  # 0: any free port

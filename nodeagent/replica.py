@@ -12,9 +12,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from actors.env import Env
-from actors.supervision import CrashWindow
-from events.messages import ReplicaRunState, ReplicaState, StartReplica
+from events.contract.messages import ReplicaRunState, ReplicaState, StartReplica
+from runtime.env import Env
+from runtime.supervision import CrashWindow
 
 from .config import AgentConfig
 from .workload.base import RunningWorkload, WorkloadDriver, WorkloadEnded, WorkloadStartError

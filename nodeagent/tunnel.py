@@ -1,5 +1,6 @@
 """The agent's end of the HTTP tunnel: HTTP requests that arrive over NATS, forwarded to the
-local workloads, their responses streamed back in frames (events/tunnel.py, docs/subjects.md).
+local workloads, their responses streamed back in frames (events/contract/tunnel.py,
+docs/subjects.md).
 
 A node behind NAT has only its outbound NATS connection; the gateway's overlay transport
 (gateway/transport/overlay.py) sends each request to `subjects.tunnel(node_id)` with a reply
@@ -21,8 +22,18 @@ from typing import Any, Final
 
 import structlog
 
-from actors.env import Bus, BusError
-from actors.http_client import (
+from events.contract import subjects, tunnel as frames
+from events.contract.tunnel import (
+    HOP_BY_HOP,
+    ErrorReason,
+    FrameError,
+    TunnelCancel,
+    TunnelCredit,
+    TunnelHead,
+    TunnelRequest,
+)
+from runtime.env import Bus, BusError
+from wire.http_client import (
     BodyError,
     ConnectError,
     HeadError,
@@ -32,16 +43,6 @@ from actors.http_client import (
     check_request,
     encode_request,
     origin,
-)
-from events import subjects, tunnel as frames
-from events.tunnel import (
-    HOP_BY_HOP,
-    ErrorReason,
-    FrameError,
-    TunnelCancel,
-    TunnelCredit,
-    TunnelHead,
-    TunnelRequest,
 )
 
 # (replica_id, epoch) -> the workload's base URL on this node (http://127.0.0.1:8000), or None

@@ -7,7 +7,7 @@ from typing import Literal
 import msgspec
 
 from events import ClusterSpec, GpuInfo, GpuMetrics
-from events.messages import RouteEntry
+from events.contract.messages import RouteEntry
 from events.node import HealthState
 
 Route = RouteEntry  # one ready replica a gateway may use; the wire type, so no conversion

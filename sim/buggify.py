@@ -1,6 +1,6 @@
 """The simulator's fault-injection switch (FoundationDB's BUGGIFY), decided by the run's seed.
 
-Production code asks `env.buggify(site)` at a few named places (actors.env.BUGGIFY_SITES) and
+Production code asks `env.buggify(site)` at a few named places (runtime.env.BUGGIFY_SITES) and
 misbehaves when the answer is yes; in production the answer is always no. Here, each run turns
 on a share of the sites, chosen from the seed, and an enabled site fires on a share of calls.
 So one seed explores one combination of misbehaviours, and replaying the seed repeats it.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from actors.env import BUGGIFY_SITES
+from runtime.env import BUGGIFY_SITES
 
 SITE_SHARE = 0.25  # of the sites, on in a run
 FIRE_SHARE = 0.05  # of the calls at an enabled site, misbehaving

@@ -17,7 +17,7 @@ from typing import Generic, Protocol, TypeVar
 
 import structlog
 
-from actors.env import Msg, MsgHandler, NoResponders, RequestTimeout
+from runtime.env import Msg, MsgHandler, NoResponders, RequestTimeout
 
 log = structlog.get_logger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from actors.cli import CommandFailed
+from wire.errors import CommandFailed
 
 from .scenario import FaultPlan, Scenario, ScenarioError, load
 

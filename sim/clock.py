@@ -13,7 +13,7 @@ SIM_EPOCH_NS = 1_767_225_600 * 1_000_000_000
 
 @final
 class SimClock:
-    """Implements actors.env.Clock on the running loop's (virtual) time."""
+    """Implements runtime.env.Clock on the running loop's (virtual) time."""
 
     def __init__(self, epoch_ns: int = SIM_EPOCH_NS) -> None:
         self._epoch_ns = epoch_ns

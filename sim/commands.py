@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from events.contract.messages import Command
 from events.ids import valid_id
-from events.messages import Command
 
 
 @dataclass

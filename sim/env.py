@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import final
 
-from actors.env import Bus, Env, NoBus, RandomSource
 from events import EventStore, MemoryEventStore
+from runtime.env import Bus, Env, NoBus, RandomSource
 
 from .clock import SimClock
 

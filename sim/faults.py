@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from events.messages import Fault
+from events.contract.messages import Fault
 
 from .network import LinkFaults
 from .scenario import FaultPlan

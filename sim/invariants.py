@@ -23,7 +23,7 @@ from events import (
     ReplicaPlaced,
     ReplicaReady,
 )
-from events.messages import RouteEntry
+from events.contract.messages import RouteEntry
 from projections import FleetState
 
 from .clock import SIM_EPOCH_NS

@@ -1,7 +1,7 @@
 """The simulator's network: NATS over links with latency, loss, duplication, reordering,
 partitions, isolated endpoints and a server outage, on the virtual clock.
 
-Every process gets its own `endpoint(name)`, a Bus (the actors.env protocol, plus NatsBus's
+Every process gets its own `endpoint(name)`, a Bus (the runtime.env protocol, plus NatsBus's
 `add_reconnect_callback`, `is_connected`, `new_inbox` and `close`). A message goes from the
 publishing endpoint to the server, which routes it exactly as MemoryBus does (sim/bus.py's
 `route`: subject wildcards, every plain subscriber, one member per queue group round-robin),
@@ -65,7 +65,7 @@ from typing import Final, NamedTuple
 
 import structlog
 
-from actors.env import BusError, Msg, MsgHandler, NoResponders, RandomSource, RequestTimeout
+from runtime.env import BusError, Msg, MsgHandler, NoResponders, RandomSource, RequestTimeout
 
 from .bus import MemorySubscription, Plan, pick, plan, subject_matches
 

@@ -18,11 +18,10 @@ from typing import Any, TypeVar
 import msgspec
 import structlog
 
-from actors.command_queue import Delivery
 from actors.controller import Controller, ControllerConfig
-from actors.env import Bus, Env, RandomSource
-from events import ClusterSpec, GpuRequirement, MemoryEventStore, subjects
-from events.messages import ApiReply, Command, RouteEntry, ScaleRequest
+from events import ClusterSpec, GpuRequirement, MemoryEventStore
+from events.contract import subjects
+from events.contract.messages import ApiReply, Command, RouteEntry, ScaleRequest
 from gateway.dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
 from gateway.feed import RoutingFeed
 from gateway.retry import RetryPolicy
@@ -32,6 +31,8 @@ from nodeagent.agent import Agent
 from nodeagent.config import AgentConfig
 from nodeagent.gpu import FakeGpuProbe
 from nodeagent.workload.fake import FakeDriver
+from runtime.command_queue import Delivery
+from runtime.env import Bus, Env, RandomSource
 
 from .buggify import Buggify
 from .clock import SimClock

@@ -8,17 +8,38 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("events", "projections", "actors", "nodeagent", "gateway", "sim", "gpumesh")
+PACKAGES = (
+    "events",
+    "projections",
+    "runtime",
+    "wire",
+    "actors",
+    "nodeagent",
+    "gateway",
+    "sim",
+    "gpumesh",
+)
 
 # Which of our packages each package may import (docs/architecture.md explains why).
 ALLOWED: dict[str, set[str]] = {
     "events": set(),
     "projections": {"events"},
-    "actors": {"events", "projections"},
-    "nodeagent": {"events", "actors"},
-    "gateway": {"events", "projections", "actors"},
-    "sim": {"events", "projections", "actors", "nodeagent", "gateway"},
-    "gpumesh": {"events", "projections", "actors", "nodeagent", "gateway", "sim"},
+    "runtime": {"events"},
+    "wire": {"events", "runtime"},
+    "actors": {"events", "projections", "runtime", "wire"},
+    "nodeagent": {"events", "runtime", "wire"},
+    "gateway": {"events", "projections", "runtime", "wire"},
+    "sim": {"events", "projections", "runtime", "wire", "actors", "nodeagent", "gateway"},
+    "gpumesh": {
+        "events",
+        "projections",
+        "runtime",
+        "wire",
+        "actors",
+        "nodeagent",
+        "gateway",
+        "sim",
+    },
 }
 
 # Actor, event and projection code takes these from the injected Env, never from the process.
@@ -35,9 +56,9 @@ BANNED_CALLS = {
     ("uuid", "uuid4"),
     ("os", "urandom"),
 }
-DETERMINISTIC = ("actors", "events", "projections")
+DETERMINISTIC = ("runtime", "actors", "events", "projections")
 # The real adapters and the entry points are where the outside world is allowed in.
-EXEMPT = {"actors/real_env.py"}
+EXEMPT = {"runtime/real_env.py"}
 
 
 def sources(package: str) -> list[Path]:

@@ -10,12 +10,12 @@ import msgspec
 import pytest
 from hypothesis import given, strategies as st
 
-from actors.nats_access import CredentialsError, SecurityLayout, load_credentials
-from events import subjects
+from events.contract import subjects
 from gpumesh.cli import main
 from gpumesh.security import identities
 from gpumesh.security.roles import permissions
 from sim.bus import subject_matches
+from wire.nats_access import CredentialsError, SecurityLayout, load_credentials
 
 node_ids = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=12)
 

@@ -1,4 +1,4 @@
-"""events/tunnel.py: every frame kind round-trips, and garbage is a one-line FrameError."""
+"""events/contract/tunnel.py: every frame kind round-trips, and garbage is a one-line FrameError."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import msgspec
 import pytest
 from hypothesis import given, strategies as st
 
-from events import tunnel as t
-from events.tunnel import (
+from events.contract import tunnel as t
+from events.contract.tunnel import (
     Frame,
     FrameError,
     TunnelCancel,
@@ -141,7 +141,7 @@ def test_the_contract_page_lists_every_meta_field_and_tag() -> None:
     assert "```json" not in section  # the contract test would try to parse it as a payload
     assert not re.search(r"^\| Payload \|", section, re.M)  # no JSON example to check
     for cls in (TunnelRequest, TunnelCancel, TunnelCredit, TunnelHead, TunnelError):
-        heading = f"#### `events.tunnel.{cls.__name__}`\n"
+        heading = f"#### `events.contract.tunnel.{cls.__name__}`\n"
         assert heading in section, cls.__name__
         table = section[section.index(heading) :].split("\n#### ")[0]
         documented = re.findall(r"^\| `(\w+)` \|", table, re.M)

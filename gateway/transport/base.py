@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from events.messages import RouteEntry
+from events.contract.messages import RouteEntry
 
 # What happened to one attempt, as the router's passive health counts it.
 Outcome = Literal[

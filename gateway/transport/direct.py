@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from actors.http_client import (
+from events.contract.messages import RouteEntry
+from events.contract.tunnel import HOP_BY_HOP, NOT_DELIVERED_HEADER
+from wire.http_client import (
     BodyError,
     ConnectError,
     HeadError,
@@ -19,8 +21,6 @@ from actors.http_client import (
     encode_request,
     origin,
 )
-from events.messages import RouteEntry
-from events.tunnel import HOP_BY_HOP, NOT_DELIVERED_HEADER
 
 from .base import (
     ConnectFailed,

@@ -2,7 +2,7 @@
 
 For nodes that cannot be dialled (a home GPU behind NAT): the agent holds an outbound NATS
 connection, and answers requests on `subjects.tunnel(node_id)` by forwarding them to its local
-workload (nodeagent/tunnel.py). Framing: events/tunnel.py; contract: docs/subjects.md.
+workload (nodeagent/tunnel.py). Framing: events/contract/tunnel.py; contract: docs/subjects.md.
 
 One wildcard subscription, `<inbox>.*`, carries every response frame to this transport; a
 reader task routes each to its request's queue by the last subject token. Through the Bus
@@ -33,10 +33,10 @@ from typing import Final
 
 import structlog
 
-from actors.env import Bus, BusError, Msg, Subscription
-from events import subjects, tunnel as frames
-from events.messages import RouteEntry
-from events.tunnel import FrameError, TunnelError, TunnelHead, TunnelRequest
+from events.contract import subjects, tunnel as frames
+from events.contract.messages import RouteEntry
+from events.contract.tunnel import FrameError, TunnelError, TunnelHead, TunnelRequest
+from runtime.env import Bus, BusError, Msg, Subscription
 
 from .base import (
     ConnectFailed,

@@ -10,7 +10,7 @@ from typing import Any, get_args
 
 import msgspec
 
-from actors.nats_access import Role, SecurityLayout
+from wire.nats_access import Role, SecurityLayout
 
 from . import identities, pki
 

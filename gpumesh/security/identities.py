@@ -18,13 +18,8 @@ from pathlib import Path
 import msgspec
 import nkeys
 
-from actors.nats_access import (
-    Credentials,
-    Role,
-    SecurityLayout,
-    inbox_prefix,
-)
 from events.ids import valid_id
+from wire.nats_access import Credentials, Role, SecurityLayout, inbox_prefix
 
 from . import pki
 from .roles import RESPONSE_EXPIRES, RESPONSE_MAX_MSGS, permissions

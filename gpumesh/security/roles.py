@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import msgspec
 
-from actors.nats_access import Role, inbox_prefix
-from actors.nats_commands import consumer_name
-from events import subjects
+from events.contract import subjects
+from wire.nats_access import Role, inbox_prefix
+from wire.nats_commands import consumer_name
 
 JS_API = "$JS.API"
 JS_ACK = "$JS.ACK"

@@ -13,9 +13,9 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from actors.env import RandomSource
-from events.messages import Fault
+from events.contract.messages import Fault
 from events.node import GpuInfo, GpuMetrics
+from runtime.env import RandomSource
 
 from .probe import Inventory, ProbeError
 

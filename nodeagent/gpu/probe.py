@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from events.messages import Fault
+from events.contract.messages import Fault
 from events.node import GpuInfo, GpuMetrics
 
 

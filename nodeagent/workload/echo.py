@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import signal
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -21,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
+from runtime.shutdown import run_until_signal
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SHUTDOWN_TIMEOUT_S = 2.0  # in-flight streams get this long after SIGTERM
@@ -335,18 +336,15 @@ async def serve(
 ) -> None:
     """Serve until SIGTERM/SIGINT (if `handle_signals`) or cancellation, then shut down cleanly."""
     server = await start(port, host=host, model=model, ttft_ms=ttft_ms, tokens_per_s=tokens_per_s)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
     try:
-        for sig in signals:
-            loop.add_signal_handler(sig, stop.set)
         sys.stdout.write(f"echo: serving model {model!r} on {server.url}\n")
         sys.stdout.flush()
-        await stop.wait()
+        forever = asyncio.Event().wait()
+        if handle_signals:
+            await run_until_signal(forever)
+        else:
+            await forever
     finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
         await server.close()
 
 

@@ -10,9 +10,9 @@ import pytest
 from actors.health import HealthPolicy
 from actors.heartbeat_recorder import HeartbeatRecorder, NodeLiveness
 from events import MemoryEventStore, NodeHeartbeat
+from events.contract.messages import Heartbeat, ReplicaState
 from events.envelope import NewEvent
 from events.errors import EventStoreError
-from events.messages import Heartbeat, ReplicaState
 from events.node import GpuMetrics, HealthState
 from sim.env import sim_env
 from tests.factories import EventMaker

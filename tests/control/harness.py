@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import msgspec
 
 from actors.controller import Controller, ControllerConfig
-from actors.env import Env, NoResponders, RequestTimeout
-from events import GpuInfo, GpuMetrics, MemoryEventStore, subjects
-from events.messages import (
+from events import GpuInfo, GpuMetrics, MemoryEventStore
+from events.contract import subjects
+from events.contract.messages import (
     ApiReply,
     Heartbeat,
     Register,
@@ -28,6 +28,7 @@ from events.messages import (
     StopReplica,
 )
 from projections import FleetState
+from runtime.env import Env, NoResponders, RequestTimeout
 from sim import sim_env
 from sim.bus import MemoryBus
 from sim.commands import MemoryCommandQueue

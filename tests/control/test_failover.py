@@ -228,8 +228,8 @@ def test_an_agent_restart_that_lost_its_replica_gets_it_replaced() -> None:
 
 
 def test_a_gateways_suspicion_is_recorded_for_the_current_epoch_only() -> None:
-    from events import subjects
-    from events.messages import ReplicaSuspicion
+    from events.contract import subjects
+    from events.contract.messages import ReplicaSuspicion
 
     async def main() -> None:
         async with fleet(3) as f:

@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from actors.intake_limit import IntakeLimiter
-from events import subjects
-from events.messages import Heartbeat
+from events.contract import subjects
+from events.contract.messages import Heartbeat
 from sim import run_simulation
 from tests.control.harness import fleet
 

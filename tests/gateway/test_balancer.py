@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import pytest
 from hypothesis import given, strategies as st
 
-from events.messages import RouteEntry
+from events.contract.messages import RouteEntry
 from gateway.balancer import HashRing, bounded_affinity, power_of_two, stable_hash
 
 T = TypeVar("T")

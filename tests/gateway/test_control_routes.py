@@ -12,9 +12,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from actors.env import Msg, NoResponders, RequestTimeout
-from actors.outbox import POSITION_HEADER
-from events import subjects
+from events.contract import subjects
+from events.contract.subjects import POSITION_HEADER
 from gateway.control_routes import (
     body_field,
     control_app,
@@ -23,6 +22,7 @@ from gateway.control_routes import (
     sse_frame,
     unreachable,
 )
+from runtime.env import Msg, NoResponders, RequestTimeout
 
 HEARTBEAT = "node.heartbeat.v1"
 

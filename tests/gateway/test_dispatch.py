@@ -10,9 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from actors.env import Clock
-from actors.real_env import LoopClock
-from events.messages import RouteEntry, RoutingUpdate
+from events.contract.messages import RouteEntry, RoutingUpdate
 from gateway.dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
 from gateway.retry import RetryPolicy
 from gateway.router import Ejection, ReplicaStats, Router, RouterConfig
@@ -24,6 +22,8 @@ from gateway.transport.base import (
     UpstreamError,
     UpstreamStatus,
 )
+from runtime.env import Clock
+from runtime.real_env import LoopClock
 from sim import SimClock, run_simulation
 
 FAILURES: dict[str, type[UpstreamError]] = {

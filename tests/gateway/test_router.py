@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 from hypothesis import given, strategies as st
 
-from events.messages import RouteEntry, RoutingUpdate
+from events.contract.messages import RouteEntry, RoutingUpdate
 from gateway.router import Ejection, ReplicaStats, Router, RouterConfig
 from gateway.transport.base import Outcome
 

@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from events import tunnel as frames
-from events.messages import RouteEntry
+from events.contract import tunnel as frames
+from events.contract.messages import RouteEntry
 from gateway.retry import RetryPolicy
 from gateway.transport.base import ConnectFailed, UpstreamError, UpstreamRequest
 from gateway.transport.direct import DirectTransport
 from gateway.transport.overlay import OverlayTransport
-from nodeagent.front import DirectFront, front_path
+from nodeagent.fencing_front import DirectFront, front_path
 from nodeagent.tunnel import TunnelServer
 from sim.bus import MemoryBus
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.nats_bus import NatsBus
-from actors.nats_server import EmbeddedNats, find_nats_server
+from wire.nats_bus import NatsBus
+from wire.nats_server import EmbeddedNats, find_nats_server
 
 
 @pytest.fixture(scope="session")

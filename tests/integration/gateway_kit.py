@@ -15,12 +15,12 @@ import msgspec
 from aiohttp import web
 from multidict import CIMultiDict
 
-from actors.env import Bus, Msg
-from actors.real_env import LoopClock
-from events import subjects
-from events.messages import ApiReply, RouteEntry, RoutingUpdate
+from events.contract import subjects
+from events.contract.messages import ApiReply, RouteEntry, RoutingUpdate
 from gateway.auth import KeyRing
 from gateway.server import Gateway, GatewayConfig
+from runtime.env import Bus, Msg
+from runtime.real_env import LoopClock
 
 
 class RoutingSource:

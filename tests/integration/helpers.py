@@ -9,7 +9,7 @@ from typing import Any
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from actors.nats_bus import NatsBus, NatsSubscription
+from wire.nats_bus import NatsBus, NatsSubscription
 
 
 async def collect(sub: NatsSubscription, count: int, timeout: float = 10.0) -> list[Any]:

@@ -43,13 +43,14 @@ from typing import Any, Self, TypeVar, overload
 
 import msgspec
 
-from actors.env import BusError
-from actors.nats_bus import NatsBus
-from actors.nats_server import EmbeddedNats
-from events import ClusterSpec, subjects
+from events import ClusterSpec
 from events.codec import decode_payload
+from events.contract import subjects
+from events.contract.messages import ApiReply
 from events.envelope import Envelope
-from events.messages import ApiReply
+from runtime.env import BusError
+from wire.nats_bus import NatsBus
+from wire.nats_server import EmbeddedNats
 
 T = TypeVar("T")
 

@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator
 import pytest
 import structlog
 
-from actors.nats_bus import NatsBus
-from actors.nats_commands import JetStreamCommandQueue, JetStreamDelivery, consumer_name
-from actors.nats_server import EmbeddedNats
-from events import ClusterSpec, subjects
-from events.messages import Command, StartReplica, StopReplica
+from events import ClusterSpec
+from events.contract import subjects
+from events.contract.messages import Command, StartReplica, StopReplica
+from wire.nats_bus import NatsBus
+from wire.nats_commands import JetStreamCommandQueue, JetStreamDelivery, consumer_name
+from wire.nats_server import EmbeddedNats
 
 from .helpers import reconnected
 

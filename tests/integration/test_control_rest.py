@@ -15,14 +15,15 @@ from aiohttp import ClientResponse, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from actors.controller import Controller
-from actors.env import Msg
-from actors.nats_bus import NatsBus
-from actors.nats_commands import JetStreamCommandQueue
 from actors.outbox import OutboxPublisher
-from actors.real_env import real_env
-from events import GpuInfo, MemoryEventStore, subjects
-from events.messages import Register, RegisterReply
+from events import GpuInfo, MemoryEventStore
+from events.contract import subjects
+from events.contract.messages import Register, RegisterReply
 from gateway.control_routes import control_app
+from runtime.env import Msg
+from runtime.real_env import real_env
+from wire.nats_bus import NatsBus
+from wire.nats_commands import JetStreamCommandQueue
 
 pytestmark = pytest.mark.integration
 

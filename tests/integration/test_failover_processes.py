@@ -22,9 +22,9 @@ from typing import Any, Self
 
 import pytest
 
-from actors.env import BusError
 from events.envelope import Envelope
 from nodeagent.config import RestartPolicy
+from runtime.env import BusError
 from tests.integration.stack import ApiError, Stack, Workload, echo_spec, pid_alive
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

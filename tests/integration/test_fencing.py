@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from events import tunnel
-from events.tunnel import TunnelError, TunnelHead, TunnelRequest
+from events.contract import tunnel
+from events.contract.tunnel import TunnelError, TunnelHead, TunnelRequest
 from tests.integration.stack import Stack, echo_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -21,14 +21,13 @@ import msgspec
 import openai
 import pytest
 
-from actors.nats_bus import NatsBus
-from events import subjects
-from events.messages import ReplicaSuspicion
+from events.contract import subjects
+from events.contract.messages import ReplicaSuspicion
 from gateway.auth import KeyRing
 from gateway.retry import RetryPolicy
 from gateway.router import RouterConfig
 from gateway.server import Gateway, GatewayConfig
-from nodeagent.front import DirectFront, front_path
+from nodeagent.fencing_front import DirectFront, front_path
 from nodeagent.tunnel import TunnelServer
 from tests.integration.gateway_kit import (
     RoutingSource,
@@ -38,6 +37,7 @@ from tests.integration.gateway_kit import (
     running_gateway,
     until,
 )
+from wire.nats_bus import NatsBus
 
 pytestmark = pytest.mark.integration
 Connect = Callable[[str], Any]

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from actors.nats_bus import NatsBus
 from gateway.server import Gateway
 from tests.integration.gateway_kit import RoutingSource, Upstream, route, running_gateway
+from wire.nats_bus import NatsBus
 
 pytestmark = pytest.mark.integration
 

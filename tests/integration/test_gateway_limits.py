@@ -10,9 +10,9 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 
-from actors.nats_bus import NatsBus
 from gateway.server import Gateway
 from tests.integration.gateway_kit import RoutingSource, Upstream, route, running_gateway
+from wire.nats_bus import NatsBus
 
 pytestmark = pytest.mark.integration
 

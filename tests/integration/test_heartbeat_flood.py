@@ -9,8 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from events import subjects
-from events.messages import Heartbeat
+from events.contract import subjects
+from events.contract.messages import Heartbeat
 from tests.integration.stack import Stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

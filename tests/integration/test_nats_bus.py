@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from actors.env import BusError, Msg, NoResponders, RequestTimeout, Subscription
-from actors.nats_bus import NatsBus, NatsSubscription
+from runtime.env import BusError, Msg, NoResponders, RequestTimeout, Subscription
 from sim.bus import MemoryBus, MemorySubscription
+from wire.nats_bus import NatsBus, NatsSubscription
 
 from .helpers import collect
 

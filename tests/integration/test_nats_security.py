@@ -13,14 +13,14 @@ import nkeys
 import pytest
 from nats.js.api import ConsumerConfig
 
-from actors.env import BusError, Msg, NoResponders, RequestTimeout
-from actors.nats_access import Credentials, SecurityLayout, load_credentials
-from actors.nats_bus import BusUnavailable, NatsBus, NatsSubscription
-from actors.nats_commands import JetStreamCommandQueue, consumer_name
-from actors.nats_server import EmbeddedNats
-from events import subjects
-from events.messages import StopReplica
+from events.contract import subjects
+from events.contract.messages import StopReplica
 from gpumesh.security import identities
+from runtime.env import BusError, Msg, NoResponders, RequestTimeout
+from wire.nats_access import Credentials, SecurityLayout, load_credentials
+from wire.nats_bus import BusUnavailable, NatsBus, NatsSubscription
+from wire.nats_commands import JetStreamCommandQueue, consumer_name
+from wire.nats_server import EmbeddedNats
 
 Connect = Callable[[str], Awaitable[NatsBus]]
 

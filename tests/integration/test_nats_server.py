@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from actors.nats_bus import BusUnavailable, NatsBus
-from actors.nats_server import EmbeddedNats, NatsServerError, find_nats_server
+from wire.nats_bus import BusUnavailable, NatsBus
+from wire.nats_server import EmbeddedNats, NatsServerError, find_nats_server
 
 pytestmark = pytest.mark.integration
 

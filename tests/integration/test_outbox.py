@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 import structlog
 
-from actors.nats_bus import NatsBus
-from actors.nats_server import EmbeddedNats
-from actors.outbox import POSITION_HEADER, VERSION_HEADER, OutboxError, OutboxPublisher
-from events import Envelope, EventStore, MemoryEventStore, subjects
+from actors.outbox import OutboxError, OutboxPublisher
+from events import Envelope, EventStore, MemoryEventStore
 from events.codec import decode_envelope
+from events.contract import subjects
+from events.contract.subjects import POSITION_HEADER, VERSION_HEADER
 from events.synthetic import Step, fleet_history
+from wire.nats_bus import NatsBus
+from wire.nats_server import EmbeddedNats
 
 from .helpers import collect, reconnected, stream_messages, wait_until
 

@@ -13,10 +13,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from actors.env import Bus
-from actors.nats_bus import NatsBus
-from events import subjects, tunnel as frames
-from events.messages import RouteEntry
+from events.contract import subjects, tunnel as frames
+from events.contract.messages import RouteEntry
 from gateway.transport.base import (
     ConnectFailed,
     FirstByteTimeout,
@@ -28,8 +26,10 @@ from gateway.transport.base import (
 from gateway.transport.overlay import DEFAULT_WINDOW_BYTES, OverlayTransport, RequestTooLarge
 from nodeagent.tunnel import TunnelServer
 from nodeagent.workload import echo
+from runtime.env import Bus
 from sim.bus import MemoryBus
 from tests.nodeagent.harness import Harness, start, stop
+from wire.nats_bus import NatsBus
 
 pytestmark = pytest.mark.integration
 

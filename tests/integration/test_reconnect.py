@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 import structlog
 
-from actors.env import RequestTimeout
-from actors.nats_bus import NatsBus
-from actors.nats_server import EmbeddedNats
+from runtime.env import RequestTimeout
+from wire.nats_bus import NatsBus
+from wire.nats_server import EmbeddedNats
 
 from .helpers import reconnected
 

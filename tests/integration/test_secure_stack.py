@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.nats_access import SecurityLayout
 from tests.integration.stack import echo_spec, kill_marked, marked_pids, pid_alive
 from tests.integration.up_process import api, connect_admin, read_urls, reap, start_up, until
+from wire.nats_access import SecurityLayout
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

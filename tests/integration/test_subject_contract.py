@@ -23,14 +23,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.nats_bus import NatsBus
-from actors.nats_commands import JetStreamCommandQueue
 from actors.outbox import OutboxPublisher
-from events import MemoryEventStore, subjects
+from events import MemoryEventStore
 from events.catalog import EVENT_TYPES, DomainEvent, type_tag_of_class
+from events.contract import subjects
+from events.contract.messages import WireMessage
 from events.envelope import Undecodable
-from events.messages import WireMessage
 from sim.bus import subject_matches
+from wire.nats_bus import NatsBus
+from wire.nats_commands import JetStreamCommandQueue
 
 pytestmark = pytest.mark.integration
 
@@ -124,7 +125,7 @@ def test_the_page_is_parsed_whole() -> None:
             assert "Reply" in section.rows, section.title
 
 
-def test_every_name_in_events_subjects_is_documented() -> None:
+def test_every_name_in_the_subjects_module_is_documented() -> None:
     text = doc_text()
     public = [
         name
@@ -136,7 +137,7 @@ def test_every_name_in_events_subjects_is_documented() -> None:
         )
     ]
     assert len(public) > 10
-    missing = [n for n in public if not re.search(rf"events\.subjects\.{n}\b", text)]
+    missing = [n for n in public if not re.search(rf"events\.contract\.subjects\.{n}\b", text)]
     assert missing == []
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import msgspec
 
-from actors.nats_access import SecurityLayout, load_credentials
-from actors.nats_bus import NatsBus
-from events import subjects
-from events.messages import ApiReply
+from events.contract import subjects
+from events.contract.messages import ApiReply
 from tests.integration.stack import STACK_ENV
+from wire.nats_access import SecurityLayout, load_credentials
+from wire.nats_bus import NatsBus
 
 
 def start_up(

@@ -9,10 +9,9 @@ from typing import Any
 
 import msgspec
 
-from actors.env import Env
-from events import subjects
 from events.cluster import ClusterSpec
-from events.messages import (
+from events.contract import subjects
+from events.contract.messages import (
     Command,
     Fault,
     FaultReply,
@@ -31,6 +30,7 @@ from nodeagent.config import AgentConfig
 from nodeagent.gpu import FakeGpuProbe, GpuProbe
 from nodeagent.workload import WorkloadDriver
 from nodeagent.workload.fake import FakeDriver
+from runtime.env import Env
 from sim.bus import MemoryBus, MemorySubscription
 from sim.commands import MemoryCommandQueue
 from sim.env import sim_env

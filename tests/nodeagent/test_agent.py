@@ -12,8 +12,8 @@ import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from events import subjects
-from events.messages import Command, Fault, RegisterReply, ReplicaState, StartReplica
+from events.contract import subjects
+from events.contract.messages import Command, Fault, RegisterReply, ReplicaState, StartReplica
 from nodeagent.config import AgentConfig, RestartPolicy
 from nodeagent.gpu import Inventory, ProbeError
 from nodeagent.workload.fake import SIGKILL_EXIT, SIGTERM_EXIT, FakeDriver

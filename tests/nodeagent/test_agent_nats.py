@@ -15,15 +15,21 @@ import aiohttp
 import msgspec
 import pytest
 
-from events import subjects
 from events.cluster import ClusterSpec
-from events.messages import Heartbeat, Register, RegisterReply, ReplicaReport, StartReplica
+from events.contract import subjects
+from events.contract.messages import (
+    Heartbeat,
+    Register,
+    RegisterReply,
+    ReplicaReport,
+    StartReplica,
+)
 
 pytestmark = pytest.mark.integration
 
-nats_server = pytest.importorskip("actors.nats_server")
-nats_bus = pytest.importorskip("actors.nats_bus")
-nats_commands = pytest.importorskip("actors.nats_commands")
+nats_server = pytest.importorskip("wire.nats_server")
+nats_bus = pytest.importorskip("wire.nats_bus")
+nats_commands = pytest.importorskip("wire.nats_commands")
 
 REPO = Path(__file__).resolve().parents[2]
 ECHO = ClusterSpec(

@@ -12,13 +12,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from actors.real_env import real_env
 from events import MemoryEventStore
 from events.cluster import ClusterSpec
 from nodeagent.agent import Agent
 from nodeagent.config import AgentConfig
 from nodeagent.workload.probing import ProbeSettings
 from nodeagent.workload.process import ProcessDriver, ProcessWorkload
+from runtime.real_env import real_env
 
 from .harness import NODE, Harness, start, stop
 

@@ -114,7 +114,7 @@ async def test_agent_usage_errors_exit_2_with_one_line(
 async def test_unreachable_nats_is_one_line_and_exit_1(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    pytest.importorskip("actors.nats_bus")
+    pytest.importorskip("wire.nats_bus")
     url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
     common = ("--data-dir", str(tmp_path))
     agent = ("agent", "--node-id", "n1", "--fake-gpus", "A100:80GiB:1", "--nats", url)
@@ -128,7 +128,7 @@ async def test_unreachable_nats_is_one_line_and_exit_1(
 
 
 async def test_the_nats_url_defaults_to_the_local_stacks(tmp_path: Path) -> None:
-    pytest.importorskip("actors.stack")
+    pytest.importorskip("wire.stack")
     args = parse("--data-dir", str(tmp_path), "agent", "--node-id", "n1")
     assert cli._nats_url(args) == "nats://127.0.0.1:4222"
     (tmp_path / "nats.url").write_text("nats://127.0.0.1:4999\n")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from events.messages import Fault
+from events.contract.messages import Fault
 from nodeagent.gpu import FakeGpuProbe, FaultInjectable, GpuProbe, ProbeError, parse_fake_gpus
 
 

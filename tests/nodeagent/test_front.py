@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from events.tunnel import NOT_DELIVERED_HEADER
-from nodeagent.front import DirectFront, front_path
+from events.contract.tunnel import NOT_DELIVERED_HEADER
+from nodeagent.fencing_front import DirectFront, front_path
 
 
 async def _stream(request: web.Request) -> web.StreamResponse:

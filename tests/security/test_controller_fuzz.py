@@ -8,8 +8,8 @@ import msgspec
 from hypothesis import given, settings, strategies as st
 
 import projections
-from events import subjects
-from events.messages import ApiReply
+from events.contract import subjects
+from events.contract.messages import ApiReply
 from sim import run_simulation
 from tests.control.harness import fleet
 from tests.security.test_decoders_fuzz import payloads

@@ -7,8 +7,8 @@ from __future__ import annotations
 import msgspec
 
 from actors.intake_limit import MAX_MESSAGE_BYTES, IntakeLimiter
-from events import subjects
-from events.messages import Heartbeat
+from events.contract import subjects
+from events.contract.messages import Heartbeat
 from events.node import NodeHeartbeat
 from sim import run_simulation
 from tests.control.harness import fleet

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from actors.spec import SpecError, from_mapping, parse_toml
-from events import codec, tunnel
-from events.messages import (
+from events import codec
+from events.contract import tunnel
+from events.contract.messages import (
     ApiReply,
     Fault,
     Heartbeat,

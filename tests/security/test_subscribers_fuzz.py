@@ -10,9 +10,9 @@ import contextlib
 import msgspec
 from hypothesis import given, settings, strategies as st
 
-from events import subjects, tunnel as frames
-from events.messages import RoutingUpdate
-from events.tunnel import TunnelRequest
+from events.contract import subjects, tunnel as frames
+from events.contract.messages import RoutingUpdate
+from events.contract.tunnel import TunnelRequest
 from nodeagent.tunnel import TunnelServer
 from sim.bus import MemoryBus
 from tests.integration.gateway_kit import Upstream, route, until

@@ -16,8 +16,8 @@ from functools import partial
 import msgspec
 import structlog
 
-from actors import Actor, ActorContext, ActorRef, ActorSystem, Env, EventSourcedActor
 from events import DomainEvent, MemoryEventStore, NodeDrained, NodeRegistered
+from runtime import Actor, ActorContext, ActorRef, ActorSystem, Env, EventSourcedActor
 from sim import run_simulation, sim_env, stamp_sim_time
 
 NODES = {"gpu-c", "gpu-a", "gpu-d", "gpu-b", "gpu-e"}  # a set: iteration order varies by hash

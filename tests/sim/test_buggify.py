@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from actors.env import BUGGIFY_SITES, never
+from runtime.env import BUGGIFY_SITES, never
 from sim.buggify import FIRE_SHARE, Buggify
 
 

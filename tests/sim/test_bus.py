@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from actors.env import Msg, NoResponders, RequestTimeout
 from events import ClusterSpec
-from events.messages import StartReplica, StopReplica
+from events.contract.messages import StartReplica, StopReplica
+from runtime.env import Msg, NoResponders, RequestTimeout
 from sim.bus import Inbox, MemoryBus, subject_matches
 from sim.commands import MemoryCommandQueue
 

@@ -11,7 +11,7 @@ import weakref
 
 import pytest
 
-from actors import Actor, ActorContext, ActorSystem
+from runtime import Actor, ActorContext, ActorSystem
 from sim import (
     SIM_EPOCH_NS,
     Deadlock,

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from actors.env import BusError, Msg, NoResponders, RequestTimeout
+from runtime.env import BusError, Msg, NoResponders, RequestTimeout
 from sim import LinkFaults, MemoryBus, SimNetwork, run_simulation
 from sim.bus import MemorySubscription
 from sim.network import SimEndpoint, TraceEntry

@@ -1,6 +1,6 @@
 """A small service for the signal tests: serves until SIGTERM, then shuts down.
 
-`python -m tests.actors.signal_child [stuck]`; prints one line per milestone on stdout.
+`python -m tests.runtime.signal_child [stuck]`; prints one line per milestone on stdout.
 With `stuck`, one actor never finishes its message, so only a second signal ends phase 1.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from actors import Actor, ActorContext, ActorSystem, run_until_signal
-from actors.real_env import real_env
 from events import MemoryEventStore
+from runtime import Actor, ActorContext, ActorSystem, run_until_signal
+from runtime.real_env import real_env
 
 
 def say(line: str) -> None:
@@ -29,12 +29,22 @@ class Service(Actor[str]):
         say(f"on_stop {ctx.name}")
 
 
+async def serve(system: ActorSystem) -> None:
+    """Serve until cancelled (the first signal), then shut the system down gracefully."""
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await system.shutdown(600)
+
+
 async def main(stuck: bool) -> None:
     async with ActorSystem(real_env(MemoryEventStore(), seed=1)) as system:
         await system.spawn(Service, "service")
         if stuck:
             await (await system.spawn(Service, "stuck")).tell("hang")
-        await run_until_signal(system, timeout=600, ready=lambda: say("ready"))
+        await run_until_signal(
+            serve(system), on_second=system.force_stop, ready=lambda: say("ready")
+        )
     say("exited")
 
 

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from actors import Mailbox, MailboxClosed, MailboxFull
+from runtime import Mailbox, MailboxClosed, MailboxFull
 
 
 async def settle() -> None:

@@ -6,7 +6,7 @@ edit here: integrators subscribe to these names.
 
 from __future__ import annotations
 
-from .catalog import check_stream
+from events.catalog import check_stream
 
 VERSION = "v1"
 PREFIX = f"gpumesh.{VERSION}"
@@ -14,6 +14,11 @@ PREFIX = f"gpumesh.{VERSION}"
 # JetStream streams.
 EVENTS_STREAM = "GPUMESH_EVENTS"  # every committed event, for replay by integrators
 COMMANDS_STREAM = "GPUMESH_COMMANDS"  # durable per-node command queues
+
+# Headers of a message on the events stream (docs/subjects.md): the event's global position in
+# the log and its version in its stream. Only the controller's outbox sets them.
+POSITION_HEADER = "Gpumesh-Position"
+VERSION_HEADER = "Gpumesh-Stream-Version"
 
 # Agent -> controller.
 HEARTBEAT_ALL = f"{PREFIX}.node.*.heartbeat"

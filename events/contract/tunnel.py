@@ -234,7 +234,7 @@ def decode(data: bytes) -> Frame:
     return Frame(kind, seq, meta, data[end:])
 
 
-# A node's direct front (nodeagent/front.py) sets this on a refusal the workload never saw,
+# A node's direct front (nodeagent/fencing_front.py) sets this on a refusal the workload never saw,
 # with the reason (one of NOT_DELIVERED) as its value: the gateway may then repeat even a
 # request that is not safe to repeat, as it does for the tunnel's own such errors.
 NOT_DELIVERED_HEADER: Final = "Gpumesh-Not-Delivered"

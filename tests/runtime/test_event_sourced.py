@@ -10,7 +10,6 @@ from typing import ClassVar
 import msgspec
 import pytest
 
-from actors import ActorContext, ActorSystem, Env, EventSourcedActor, RecoveryFailed
 from events import (
     ConcurrencyConflict,
     DomainEvent,
@@ -23,6 +22,7 @@ from events import (
     Snapshot,
     Undecodable,
 )
+from runtime import ActorContext, ActorSystem, Env, EventSourcedActor, RecoveryFailed
 
 STREAM = "node/n1"
 
@@ -204,7 +204,7 @@ async def test_snapshots_are_taken_every_n_events_and_recovery_reads_only_the_ta
     snapshot = await store.load_snapshot(STREAM)
     assert snapshot is not None
     assert snapshot.version == 6
-    assert snapshot.schema == "tests.actors.test_event_sourced.NodeState/v1"
+    assert snapshot.schema == "tests.runtime.test_event_sourced.NodeState/v1"
     assert msgspec.msgpack.decode(snapshot.state, type=NodeState).beats == 5
     spy = Hidden(store)
     state, version = await recovered(with_store(env, spy))
@@ -238,7 +238,7 @@ async def test_an_unreadable_snapshot_is_a_cache_miss(env: Env, store: MemoryEve
         Snapshot(
             stream=STREAM,
             version=6,
-            schema="tests.actors.test_event_sourced.NodeState/v1",
+            schema="tests.runtime.test_event_sourced.NodeState/v1",
             state=b"\xc1 not msgpack",
         )
     )

@@ -2,7 +2,7 @@
 
 An actor gets time, randomness, messaging, storage and logging from its Env and from nothing
 else; ruff's banned-api rule (pyproject.toml) and tests/test_determinism_rules.py hold this.
-The real implementations live in actors/real_env.py, the simulated ones in sim/.
+The real implementations live in runtime/real_env.py, the simulated ones in sim/.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import HttpRequestParser
 from hypothesis import given, strategies as st
 
-from actors.http1 import (
+from wire.http1 import (
     CHUNKED,
     LENGTH,
     NO_BODY,

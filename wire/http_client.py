@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
-from actors.http1 import (
+from .http1 import (
     CHUNKED,
     LENGTH,
     NO_BODY,

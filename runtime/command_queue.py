@@ -2,7 +2,7 @@
 
 A command sent while the node is disconnected waits for it; an unacknowledged command is
 delivered again; a command id seen twice is a duplicate. Production: JetStream
-(actors/nats_commands.py); simulator and unit tests: sim/commands.py.
+(wire/nats_commands.py); simulator and unit tests: sim/commands.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from events.messages import Command
+from events.contract.messages import Command
 
 
 class Delivery(Protocol):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from actors import (
+from runtime import (
     Actor,
     ActorContext,
     ActorStopped,
@@ -18,7 +18,7 @@ from actors import (
     MailboxFull,
     SystemNotRunning,
 )
-from tests.actors.conftest import simulated
+from tests.two_loops import simulated
 
 
 @dataclass

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import actors
+import runtime
 import sim
-from actors import Actor, EventSourcedActor
+from runtime import Actor, EventSourcedActor
 
 FINAL = {
     "ActorContext",
@@ -20,9 +20,9 @@ OPEN = {"Actor", "EventSourcedActor"}
 
 def test_public_classes_are_final_unless_meant_for_subclassing() -> None:
     for name in FINAL:
-        assert getattr(getattr(actors, name), "__final__", False), name
+        assert getattr(getattr(runtime, name), "__final__", False), name
     for name in OPEN:
-        assert not getattr(getattr(actors, name), "__final__", False), name
+        assert not getattr(getattr(runtime, name), "__final__", False), name
     assert getattr(sim.SimEventLoop, "__final__", False)
     assert getattr(sim.SimClock, "__final__", False)
 
@@ -47,7 +47,7 @@ def test_errors_share_one_root_and_builtin_bases() -> None:
         "SystemNotRunning",
         "RecoveryFailed",
     ):
-        assert issubclass(getattr(actors, name), actors.ActorSystemError), name
-    assert issubclass(actors.AskTimeout, TimeoutError)
-    assert issubclass(actors.DuplicateActor, ValueError)
+        assert issubclass(getattr(runtime, name), runtime.ActorSystemError), name
+    assert issubclass(runtime.AskTimeout, TimeoutError)
+    assert issubclass(runtime.DuplicateActor, ValueError)
     assert issubclass(sim.Deadlock, RuntimeError)

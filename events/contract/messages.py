@@ -1,4 +1,5 @@
-"""Wire messages on the NATS subjects (events/subjects.py): msgspec JSON, tagged, versioned.
+"""Wire messages on the NATS subjects (events/contract/subjects.py): msgspec JSON, tagged and
+versioned.
 
 These are not events: they are requests and reports between processes. The controller turns
 the facts they carry into events after validating them.
@@ -10,8 +11,8 @@ from typing import Any, Literal, TypeAlias
 
 import msgspec
 
-from .cluster import ClusterSpec
-from .node import GpuInfo, GpuMetrics
+from events.cluster import ClusterSpec
+from events.node import GpuInfo, GpuMetrics
 
 ReplicaRunState = Literal["starting", "ready", "failed", "stopped"]
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import structlog
 
-from actors import (
+from runtime import (
     Actor,
     ActorContext,
     ActorStopped,
@@ -20,7 +20,7 @@ from actors import (
     SupervisionPolicy,
     SupervisorGaveUp,
 )
-from tests.actors.conftest import simulated
+from tests.two_loops import simulated
 
 
 @dataclass

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from events.messages import RouteEntry
+from events.contract.messages import RouteEntry
 from gateway.transport.base import (
     FirstByteTimeout,
     ResetBeforeHead,

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import structlog
 
-from actors import Actor, ActorContext, ActorRef, ActorStopped, ActorSystem, Env
-from tests.actors.conftest import simulated
+from runtime import Actor, ActorContext, ActorRef, ActorStopped, ActorSystem, Env
+from tests.two_loops import simulated
 
 
 class Worker(Actor[str]):

@@ -1,4 +1,4 @@
-"""Durable per-node command queues on JetStream (the production actors.command_queue.CommandQueue).
+"""Durable per-node command queues on JetStream (the production runtime.command_queue.CommandQueue).
 
 One work-queue stream holds every node's commands on `gpumesh.v1.node.<id>.cmd`; each node has
 one durable pull consumer, `node-<id>`, filtered on its own subject. So a command sent while the
@@ -29,11 +29,11 @@ from nats.js.api import (
 )
 from nats.js.errors import NoStreamResponseError
 
-from events import subjects
+from events.contract import subjects
+from events.contract.messages import Command
 from events.ids import valid_id
-from events.messages import Command
+from runtime.env import BusError, RequestTimeout
 
-from .env import BusError, RequestTimeout
 from .nats_bus import NatsBus, describe, ensure_stream
 
 log = structlog.get_logger("gpumesh.commands")

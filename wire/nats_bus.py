@@ -1,4 +1,4 @@
-"""The production Bus: nats-py behind the actors.env.Bus protocol.
+"""The production Bus: nats-py behind the runtime.env.Bus protocol.
 
 Semantics match sim/bus.py (subject wildcards, queue groups, request/reply) so actors cannot tell
 the two apart; nats-py's errors are translated here and never reach actor code. The first
@@ -22,7 +22,8 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig, StreamInfo
 from nats.js.errors import BadRequestError
 
-from .env import BusError, Msg, MsgHandler, NoResponders, RequestTimeout
+from runtime.env import BusError, Msg, MsgHandler, NoResponders, RequestTimeout
+
 from .nats_access import Credentials, secure_url
 
 log = structlog.get_logger("gpumesh.nats")
@@ -68,7 +69,7 @@ def describe(exc: BaseException, *, timeout: float | None = None) -> str:
 
 
 class NatsSubscription:
-    """A subscription as an async iterator of actors.env.Msg; `unsubscribe()` ends the iteration
+    """A subscription as an async iterator of runtime.env.Msg; `unsubscribe()` ends the iteration
     after the messages already received. With a `handler`, each message goes to it instead, in
     nats-py's callback task for this subscription, and the iteration yields nothing."""
 

@@ -11,7 +11,7 @@ from types import FrameType
 
 import pytest
 
-from actors import install_signal_handlers
+from runtime import install_signal_handlers
 
 REPO = Path(__file__).resolve().parents[2]
 real_loop_only = pytest.mark.asyncio(loop_factories=["asyncio"])
@@ -50,7 +50,7 @@ async def _start_child(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "tests.actors.signal_child",
+        "tests.runtime.signal_child",
         *args,
         cwd=REPO,
         stdout=asyncio.subprocess.PIPE,

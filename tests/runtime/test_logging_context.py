@@ -9,7 +9,7 @@ from typing import Any
 import structlog
 from structlog.contextvars import bind_contextvars, merge_contextvars
 
-from actors import Actor, ActorContext, ActorSystem, Env, SupervisionPolicy
+from runtime import Actor, ActorContext, ActorSystem, Env, SupervisionPolicy
 
 
 class Chatty(Actor[str]):

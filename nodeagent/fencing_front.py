@@ -22,7 +22,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from events.tunnel import HOP_BY_HOP, NOT_DELIVERED, NOT_DELIVERED_HEADER
+from events.contract.tunnel import HOP_BY_HOP, NOT_DELIVERED, NOT_DELIVERED_HEADER
 
 from .tunnel import Fence, Resolve  # the same two questions the tunnel asks
 
