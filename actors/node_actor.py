@@ -312,5 +312,5 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
 
 
 def _connected(ctx: ActorContext[NodeMsg]) -> bool:
-    """Whether this controller's bus is connected (a bus that cannot tell counts as yes)."""
-    return bool(getattr(ctx.env.bus, "is_connected", True))
+    """Whether this controller's bus is connected: while it is not, it hears nobody."""
+    return ctx.env.bus.is_connected

@@ -46,9 +46,8 @@ class RoutingFeed:
         self.dropped = 0  # undecodable messages on the routing subject
 
     async def run(self) -> None:
-        add = getattr(self._bus, "add_reconnect_callback", None)
-        if add is not None:
-            add(self._on_reconnect)  # after an outage, ask at once rather than wait for a re-send
+        # After an outage, ask at once rather than wait for a re-send.
+        self._bus.add_reconnect_callback(self._on_reconnect)
         try:
             while True:
                 try:
@@ -69,9 +68,7 @@ class RoutingFeed:
                 finally:
                     await subscription.unsubscribe()
         finally:
-            remove = getattr(self._bus, "remove_reconnect_callback", None)
-            if remove is not None:
-                remove(self._on_reconnect)
+            self._bus.remove_reconnect_callback(self._on_reconnect)
 
     async def catch_up(self) -> None:
         """Ask the controller for the table now (start-up, and after a reconnect)."""

@@ -95,16 +95,13 @@ class Agent:
         self.registrations = 0  # accepted registrations, for tests and status
         # The overlay transport's end: HTTP requests over NATS to our workloads, which listen
         # where the driver probes them (loopback unless configured otherwise).
-        self._local_host = str(getattr(driver, "host", "127.0.0.1"))
+        self._local_host = driver.host
         self.tunnel = TunnelServer(
             env.bus, config.node_id, self.local_url, log=self._log, fence=self.fenced
         )
         # Heartbeat acks (the lease) come back under this node's own inbox prefix, the only
         # one a node's NATS permissions let it read.
-        new_inbox = getattr(env.bus, "new_inbox", None)
-        self._lease_subject = (
-            f"{new_inbox()}.lease" if new_inbox else f"_INBOX.node.{config.node_id}.lease"
-        )
+        self._lease_subject = f"{env.bus.new_inbox()}.lease"
         self.front: DirectFront | None = None
         self._front_base = ""
         if config.direct_front:

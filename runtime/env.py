@@ -1,13 +1,13 @@
 """The only door from an actor to the outside world.
 
 An actor gets time, randomness, messaging, storage and logging from its Env and from nothing
-else; ruff's banned-api rule (pyproject.toml) and tests/test_determinism_rules.py hold this.
+else; ruff's banned-api rule (pyproject.toml) and tests/test_architecture.py hold this.
 The real implementations live in runtime/real_env.py, the simulated ones in sim/.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, MutableSequence, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableSequence, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
@@ -74,6 +74,9 @@ class RequestTimeout(BusError, TimeoutError):
 MsgHandler = Callable[[Msg], None]
 """Takes a message as it arrives (`Bus.subscribe(..., handler=...)`); must not block."""
 
+ReconnectCallback = Callable[[], Awaitable[None]]
+"""Awaited after every reconnection of a Bus (`Bus.add_reconnect_callback`)."""
+
 
 class Subscription(Protocol):
     def __aiter__(self) -> AsyncIterator[Msg]: ...
@@ -81,7 +84,32 @@ class Subscription(Protocol):
 
 
 class Bus(Protocol):
-    """Publish/subscribe/request with NATS subject semantics (`*`, `>`, queue groups)."""
+    """Publish/subscribe/request with NATS subject semantics (`*`, `>`, queue groups), and what
+    callers need to know of the connection under it. Every member is required: `check_bus`
+    refuses an adapter that lacks one when an Env is built, rather than letting a caller guess
+    (a controller that cannot tell it is cut off would declare the whole fleet offline)."""
+
+    @property
+    def is_connected(self) -> bool:
+        """Whether the connection is up now: while it is down, nothing is heard from anyone."""
+        ...
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message, in bytes, the server takes."""
+        ...
+
+    def new_inbox(self) -> str:
+        """A subject for replies that nobody else gets, under this identity's inbox prefix
+        (the only one its NATS permissions let it read)."""
+        ...
+
+    def add_reconnect_callback(self, callback: ReconnectCallback) -> None:
+        """Await `callback()` after every reconnection (to ask again for what may have been
+        missed while the connection was down)."""
+        ...
+
+    def remove_reconnect_callback(self, callback: ReconnectCallback) -> None: ...
 
     async def publish(
         self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
@@ -107,8 +135,46 @@ class Bus(Protocol):
     ) -> Msg: ...
 
 
+DEFAULT_MAX_PAYLOAD = 1024 * 1024  # nats-server's own default for max_payload
+
+BUS_MEMBERS = (
+    "is_connected",
+    "max_payload",
+    "new_inbox",
+    "add_reconnect_callback",
+    "remove_reconnect_callback",
+    "publish",
+    "subscribe",
+    "request",
+)
+
+
+def check_bus(bus: object) -> None:
+    """Raise TypeError, naming what is missing, if `bus` lacks a member of the Bus protocol."""
+    missing = [name for name in BUS_MEMBERS if not hasattr(type(bus), name)]
+    if missing:
+        raise TypeError(f"{type(bus).__name__} is not a Bus: it lacks {', '.join(missing)}")
+
+
 class NoBus:
-    """A bus for actors that need none: every call says so."""
+    """A bus for actors that need none: every use says so."""
+
+    @property
+    def is_connected(self) -> bool:
+        raise RuntimeError("this Env has no bus")
+
+    @property
+    def max_payload(self) -> int:
+        raise RuntimeError("this Env has no bus")
+
+    def new_inbox(self) -> str:
+        raise RuntimeError("this Env has no bus")
+
+    def add_reconnect_callback(self, callback: ReconnectCallback) -> None:
+        raise RuntimeError("this Env has no bus")
+
+    def remove_reconnect_callback(self, callback: ReconnectCallback) -> None:
+        raise RuntimeError("this Env has no bus")
 
     async def publish(
         self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
@@ -161,6 +227,9 @@ class Env:
     bus: Bus = field(default_factory=NoBus)
     log: Any = field(default_factory=lambda: structlog.get_logger("gpumesh"))
     buggify: Callable[[str], bool] = never
+
+    def __post_init__(self) -> None:
+        check_bus(self.bus)
 
     def new_id(self) -> str:
         """A time-ordered UUIDv7 from the injected clock and random source."""

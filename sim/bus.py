@@ -17,7 +17,14 @@ from typing import Generic, Protocol, TypeVar
 
 import structlog
 
-from runtime.env import Msg, MsgHandler, NoResponders, RequestTimeout
+from runtime.env import (
+    DEFAULT_MAX_PAYLOAD,
+    Msg,
+    MsgHandler,
+    NoResponders,
+    ReconnectCallback,
+    RequestTimeout,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -201,6 +208,9 @@ def route(subs: Iterable[S], subject: str, turns: dict[str, int]) -> list[S]:
 
 
 class MemoryBus:
+    # An in-process hub is never cut off; a test sets this False to stand for a cut-off.
+    is_connected: bool = True
+
     def __init__(self) -> None:
         self._subs: list[MemorySubscription] = []
         self._sids = itertools.count(1)
@@ -224,9 +234,19 @@ class MemoryBus:
                 contextvars.Context().run(sub.deliver, msg)
         return len(targets)
 
+    @property
+    def max_payload(self) -> int:
+        return DEFAULT_MAX_PAYLOAD
+
     def new_inbox(self) -> str:
         """A subject no other caller gets (`_INBOX.<n>`, deterministic), for replies to it."""
         return f"_INBOX.{next(self._inboxes)}"
+
+    def add_reconnect_callback(self, callback: ReconnectCallback) -> None:
+        pass  # it never disconnects, so there is never a reconnection to tell of
+
+    def remove_reconnect_callback(self, callback: ReconnectCallback) -> None:
+        pass
 
     async def subscribe(
         self, subject: str, *, queue: str = "", handler: MsgHandler | None = None

@@ -59,13 +59,22 @@ import asyncio
 import contextvars
 import itertools
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Final, NamedTuple
 
 import structlog
 
-from runtime.env import BusError, Msg, MsgHandler, NoResponders, RandomSource, RequestTimeout
+from runtime.env import (
+    DEFAULT_MAX_PAYLOAD,
+    BusError,
+    Msg,
+    MsgHandler,
+    NoResponders,
+    RandomSource,
+    ReconnectCallback,
+    RequestTimeout,
+)
 
 from .bus import MemorySubscription, Plan, pick, plan, subject_matches
 
@@ -80,8 +89,6 @@ _NO_RESPONDERS: Final = "503"  # the status a server sends for a request nobody 
 _PROTOCOL_OVERHEAD: Final = 16  # "PUB ... \r\n...\r\n", roughly, for the pending buffer
 _WILDCARD_HITS_KEPT: Final = 65_536  # subjects whose wildcard matches are remembered
 _LINKS_KEPT: Final = 65_536  # (src, dst) pairs whose link faults are remembered
-
-ReconnectCallback = Callable[[], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +224,10 @@ class SimEndpoint:
     @property
     def is_connected(self) -> bool:
         return self._connected
+
+    @property
+    def max_payload(self) -> int:
+        return DEFAULT_MAX_PAYLOAD
 
     @property
     def pending_bytes(self) -> int:

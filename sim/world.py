@@ -298,9 +298,7 @@ class World:
         env = self.env(node.node_id)
         node.agent = Agent(env, node.commands, node.probe, node.driver, config)
         node.bus = self.network.endpoint(node.node_id)  # a fresh one after power loss
-        add = getattr(node.bus, "add_reconnect_callback", None)
-        if add is not None:
-            add(node.agent.on_reconnect)
+        node.bus.add_reconnect_callback(node.agent.on_reconnect)
         node.task = self.spawn(node.agent.run(), f"agent:{node.node_id}:{node.incarnation}")
 
     def power_off(self, node: SimNode) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import nats.errors
@@ -22,13 +22,19 @@ from nats.js import JetStreamContext
 from nats.js.api import StreamConfig, StreamInfo
 from nats.js.errors import BadRequestError
 
-from runtime.env import BusError, Msg, MsgHandler, NoResponders, RequestTimeout
+from runtime.env import (
+    DEFAULT_MAX_PAYLOAD,
+    BusError,
+    Msg,
+    MsgHandler,
+    NoResponders,
+    ReconnectCallback,
+    RequestTimeout,
+)
 
 from .nats_access import Credentials, secure_url
 
 log = structlog.get_logger("gpumesh.nats")
-
-ReconnectCallback = Callable[[], Awaitable[None]]
 
 # JetStream's error code for "stream name already in use with a different configuration".
 _STREAM_CONFIG_DIFFERS: Final = 10058
@@ -306,6 +312,11 @@ class NatsBus:
     @property
     def is_connected(self) -> bool:
         return bool(self._nc.is_connected)
+
+    @property
+    def max_payload(self) -> int:
+        """The server's max_payload (from its INFO), or its default before the first connect."""
+        return int(self._nc.max_payload or DEFAULT_MAX_PAYLOAD)
 
     @property
     def is_closed(self) -> bool:

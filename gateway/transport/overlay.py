@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Final
 
@@ -48,7 +47,6 @@ from .base import (
 )
 
 # NATS's default max_payload; a connected NatsBus reports the server's own.
-DEFAULT_MAX_PAYLOAD: Final = 1024 * 1024
 # Two of the agent's largest frames in flight per request; a CREDIT every quarter of it.
 DEFAULT_WINDOW_BYTES: Final = 2 * frames.MAX_FRAME_PAYLOAD
 _NO_RESPONDERS: Final = "503"
@@ -214,13 +212,9 @@ class OverlayTransport:
             if self._started():
                 return
             if not self._prefix:
-                new_inbox = getattr(self._bus, "new_inbox", None)
-                self._prefix = new_inbox() if new_inbox else f"_INBOX.{secrets.token_hex(11)}"
+                self._prefix = self._bus.new_inbox()
             if not self._max_request:
-                client = getattr(self._bus, "client", None)
-                limit = getattr(client, "max_payload", 0)
-                self._max_request = limit if isinstance(limit, int) and limit > 0 else 0
-                self._max_request = self._max_request or DEFAULT_MAX_PAYLOAD
+                self._max_request = self._bus.max_payload
             subscription = await self._bus.subscribe(f"{self._prefix}.*")
             self._subscription = subscription
             self._reader = asyncio.create_task(

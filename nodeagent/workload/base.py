@@ -58,6 +58,9 @@ class RunningWorkload(Protocol):
 
 
 class WorkloadDriver(Protocol):
+    host: str
+    """Where the workloads it starts listen, as the agent reaches them (loopback by default)."""
+
     async def start(
         self,
         replica_id: str,

@@ -130,6 +130,7 @@ class FakeDriver:
         self.start_gate: asyncio.Event | None = None
         self.started: list[FakeWorkload] = []
         self.start_calls = 0  # counted before the gate, so a test sees a start in progress
+        self.host = "127.0.0.1"
         self._ports = itertools.count(first_port)
 
     def running(self) -> list[FakeWorkload]:

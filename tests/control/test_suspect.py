@@ -221,7 +221,7 @@ def test_while_the_controller_is_cut_off_nobody_goes_offline_then_silence_counts
             async with fleet(2) as f:
                 loop = asyncio.get_running_loop()
                 await asyncio.sleep(2.0)
-                f.bus.is_connected = False  # type: ignore[attr-defined]
+                f.bus.is_connected = False
                 for agent in f.agents.values():
                     agent.heartbeating = False
                 await asyncio.sleep(10.0)  # far past offline, had the controller heard anyone
