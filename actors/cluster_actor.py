@@ -32,16 +32,16 @@ from events import (
 from projections.views import NodeView, ReplicaView
 from runtime.actor import ActorContext
 from runtime.env import RandomSource
-from runtime.errors import ActorSystemError
 from runtime.event_sourced import EventSourcedActor
 from runtime.system import ActorRef
 
+from .errors import ControllerError
 from .live_state import LiveState
 from .replica_actor import ACTIVE, Fail, Place, ReplicaMsg, Stop
 from .scheduler import NoFit, schedule
 
 
-class ClusterError(ActorSystemError, ValueError):
+class ClusterError(ControllerError, ValueError):
     """A control request that cannot be honoured (exists already, unknown, deleted)."""
 
 

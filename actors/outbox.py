@@ -39,6 +39,8 @@ from events.contract.subjects import POSITION_HEADER, VERSION_HEADER
 from runtime.env import BusError
 from wire.nats_bus import NatsBus, describe, ensure_stream
 
+from .errors import ControllerError
+
 log = structlog.get_logger("gpumesh.outbox")
 
 DUPLICATE_WINDOW_S: Final = 600.0
@@ -51,8 +53,9 @@ _WRONG_LAST_SEQUENCE: Final = 10071
 _RESUME_SCAN_LIMIT: Final = 1000
 
 
-class OutboxError(BusError):
-    """The events stream is in a state the publisher will not guess its way out of."""
+class OutboxError(ControllerError, BusError):
+    """The events stream is in a state the publisher will not guess its way out of (a Bus error
+    too, so that what handles the bus's failures handles this one)."""
 
 
 class _Resync(Exception):

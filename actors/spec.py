@@ -10,9 +10,11 @@ import msgspec
 from events import ClusterSpec
 from events.ids import valid_id
 
+from .errors import ControllerError
 
-class SpecError(ValueError):
-    """One line: `field: problem`."""
+
+class SpecError(ControllerError, ValueError):
+    """A cluster spec the controller will not take; one line: `field: problem`."""
 
 
 def parse_toml(text: str, *, source: str = "spec") -> ClusterSpec:

@@ -109,23 +109,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    """Failures a user can act on: printed as one line, no traceback."""
-    from actors.spec import SpecError
+    """Failures a user can act on: printed as one line, no traceback. Each package's root
+    stands for all of its errors."""
+    from actors.errors import ControllerError
+    from nodeagent.errors import AgentError
     from projections.projector import ReadModelError
-    from runtime.env import BusError
+    from runtime.errors import BusError
     from sim.scenario import ScenarioError
-    from wire.errors import CommandFailed
-    from wire.nats_access import CredentialsError
+    from wire.errors import WireError
     from wire.nats_server import NatsServerError
 
     return (
         EventStoreError,
         OSError,
-        CommandFailed,
+        WireError,
         BusError,
         NatsServerError,
-        CredentialsError,
-        SpecError,
+        ControllerError,
+        AgentError,
         ReadModelError,
         ScenarioError,
     )

@@ -17,6 +17,13 @@ import structlog
 from events import DomainEvent, EventStore, NewEvent, new_event
 from events.ids import uuid7
 
+# The Bus's errors belong to its protocol: callers take them from here or from runtime.errors.
+from .errors import (
+    BusError as BusError,
+    NoResponders as NoResponders,
+    RequestTimeout as RequestTimeout,
+)
+
 T = TypeVar("T")
 
 
@@ -48,27 +55,6 @@ class Msg(msgspec.Struct, frozen=True, kw_only=True):
     data: bytes
     reply: str = ""
     headers: dict[str, str] | None = None
-
-
-class BusError(Exception):
-    """Root of the errors a Bus raises; adapters translate their driver's errors to these."""
-
-
-class NoResponders(BusError):
-    """A request found nobody subscribed to its subject."""
-
-    def __init__(self, subject: str) -> None:
-        self.subject = subject
-        super().__init__(f"no responders on {subject}")
-
-
-class RequestTimeout(BusError, TimeoutError):
-    """A request got no reply in time."""
-
-    def __init__(self, subject: str, timeout: float) -> None:
-        self.subject = subject
-        self.timeout = timeout
-        super().__init__(f"no reply on {subject} within {timeout:g} s")
 
 
 MsgHandler = Callable[[Msg], None]

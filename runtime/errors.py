@@ -1,10 +1,11 @@
-"""Errors raised by the actor runtime: one root, typed fields, builtin bases where they fit."""
+"""Errors raised by the actor runtime and its Bus: one root, typed fields, builtin bases where
+they fit."""
 
 from __future__ import annotations
 
 
 class ActorSystemError(Exception):
-    """Root of every error the actor runtime raises."""
+    """Root of every error runtime/ raises: the actor system's own, and the Bus's."""
 
 
 class ActorStopped(ActorSystemError):
@@ -73,3 +74,24 @@ class RecoveryFailed(ActorSystemError):
         self.version = version
         self.reason = reason
         super().__init__(f"cannot recover {stream!r} at version {version}: {reason}")
+
+
+class BusError(ActorSystemError):
+    """Root of the errors a Bus raises; adapters translate their driver's errors to these."""
+
+
+class NoResponders(BusError):
+    """A request found nobody subscribed to its subject."""
+
+    def __init__(self, subject: str) -> None:
+        self.subject = subject
+        super().__init__(f"no responders on {subject}")
+
+
+class RequestTimeout(BusError, TimeoutError):
+    """A request got no reply in time."""
+
+    def __init__(self, subject: str, timeout: float) -> None:
+        self.subject = subject
+        self.timeout = timeout
+        super().__init__(f"no reply on {subject} within {timeout:g} s")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .errors import WireError
+
 MAX_HEAD_BYTES = 8190  # aiohttp's own line limit; a longer head goes to aiohttp, which says 431
 _MAX_LENGTH_DIGITS = 15
 
@@ -29,7 +31,7 @@ _VALUE = re.compile(rb"[\t\x20-\x7e\x80-\xff]*")
 _TARGET = re.compile(rb"/[\x21-\x7e]*")
 
 
-class HttpError(Exception):
+class HttpError(WireError):
     """A message that is not HTTP/1.1 as this parser takes it."""
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
 
+from .errors import WireError
 from .http1 import (
     CHUNKED,
     LENGTH,
@@ -105,19 +106,28 @@ def encode_request(
     return data + body if body else data
 
 
-class ConnectError(Exception):
-    """No connection could be made: the request surely never left."""
+class ConnectError(WireError):
+    """No connection could be made: the request surely never left. `address` is the
+    "host:port" tried ("" when the client was closed before it tried)."""
+
+    def __init__(self, reason: str, *, address: str = "") -> None:
+        super().__init__(reason)
+        self.address = address
 
 
-class HeadError(Exception):
+class HeadError(WireError):
     """The connection broke, or spoke garbage, after the request was sent and before its head."""
 
 
-class HeadTimeout(Exception):
-    """No response head within the deadline."""
+class HeadTimeout(WireError):
+    """No response head by the deadline (`deadline`, in loop time)."""
+
+    def __init__(self, deadline: float) -> None:
+        super().__init__("no response head by the deadline")
+        self.deadline = deadline
 
 
-class BodyError(Exception):
+class BodyError(WireError):
     """The body broke off after the head: the connection dropped, went silent, or lied."""
 
 
@@ -488,7 +498,7 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
         loop = self._loop
         waiter = response._head_waiter = loop.create_future()
-        timer = loop.call_at(head_deadline, self._head_timed_out, response)
+        timer = loop.call_at(head_deadline, self._head_timed_out, response, head_deadline)
         try:
             await waiter
         except BaseException:
@@ -504,9 +514,9 @@ class _Connection(asyncio.Protocol):
             raise response._head_error
         return response
 
-    def _head_timed_out(self, response: Response) -> None:
+    def _head_timed_out(self, response: Response, deadline: float) -> None:
         if response.head is None and response._head_error is None:
-            self._head_failed(response, HeadTimeout())
+            self._head_failed(response, HeadTimeout(deadline))
             self.abort()
 
 
@@ -565,9 +575,13 @@ class HttpClient:
                     lambda: _Connection(self, (host, port)), host, port
                 )
         except TimeoutError as exc:
-            raise ConnectError(f"no connection to {host}:{port} within {timeout:g} s") from exc
+            raise ConnectError(
+                f"no connection to {host}:{port} within {timeout:g} s", address=f"{host}:{port}"
+            ) from exc
         except OSError as exc:
-            raise ConnectError(_describe(exc, "connection failed")) from exc
+            raise ConnectError(
+                _describe(exc, "connection failed"), address=f"{host}:{port}"
+            ) from exc
         self._all.add(conn)
         return conn
 

@@ -19,11 +19,13 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from .errors import WireError
+
 Role = Literal["controller", "admin", "node", "gateway", "integrator"]
 ROLES: Final[tuple[Role, ...]] = ("controller", "admin", "node", "gateway", "integrator")
 
 
-class CredentialsError(Exception):
+class CredentialsError(WireError):
     """A credentials file is missing, unreadable or malformed; the message is one line."""
 
 

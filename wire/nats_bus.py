@@ -32,6 +32,7 @@ from runtime.env import (
     RequestTimeout,
 )
 
+from .errors import WireError
 from .nats_access import Credentials, secure_url
 
 log = structlog.get_logger("gpumesh.nats")
@@ -46,13 +47,14 @@ DEFAULT_PENDING_LIMIT: Final = 65_536
 REFUSALS_MEANING_REVOKED: Final = 3
 
 
-class BusUnavailable(BusError):
-    """The NATS server could not be reached on the first connection."""
+class BusUnavailable(BusError, WireError):
+    """The NATS server could not be reached on the first connection: a Bus error by the Bus's
+    contract, and wire/'s own."""
 
     def __init__(self, url: str, reason: str) -> None:
         self.url = url
         self.reason = reason
-        super().__init__(f"cannot reach NATS at {url}: {reason}")
+        Exception.__init__(self, f"cannot reach NATS at {url}: {reason}")
 
 
 def _is_refusal(exc: BaseException) -> bool:

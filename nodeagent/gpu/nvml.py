@@ -144,7 +144,7 @@ class NvmlProbe:
             reasons = self._optional(clock_reasons, handle, default=0) if clock_reasons else 0
             power_mw = self._optional(nv.nvmlDeviceGetPowerUsage, handle, default=0)
         except nv.NVMLError as exc:
-            raise ProbeError(f"GPU {index}: NVML: {exc}") from exc
+            raise ProbeError(f"GPU {index}: NVML: {exc}", gpu_index=index) from exc
         return GpuMetrics(
             index=index,
             temperature_c=float(temperature),

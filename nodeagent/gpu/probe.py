@@ -7,13 +7,19 @@ from typing import Protocol, runtime_checkable
 
 from events.contract.messages import Fault
 from events.node import GpuInfo, GpuMetrics
+from nodeagent.errors import AgentError
 
 
-class ProbeError(Exception):
-    """The GPUs or their driver could not be read this time (the heartbeat says so)."""
+class ProbeError(AgentError):
+    """The GPUs or their driver could not be read this time (the heartbeat says so). `gpu_index`
+    names the GPU that failed, None when the driver itself did."""
+
+    def __init__(self, reason: str, *, gpu_index: int | None = None) -> None:
+        super().__init__(reason)
+        self.gpu_index = gpu_index
 
 
-class NoGpuError(Exception):
+class NoGpuError(AgentError):
     """No usable NVIDIA GPU on this machine: the agent cannot start with the real probe."""
 
 

@@ -7,15 +7,16 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from events.cluster import ClusterSpec
+from nodeagent.errors import AgentError
 
 EndReason = Literal["exited", "readiness_timeout", "liveness_failed", "start_failed", "stopped"]
 
 
-class WorkloadStartError(Exception):
+class WorkloadStartError(AgentError):
     """The workload could not be launched at all (bad command, missing image, no port)."""
 
 
-class DriverUnavailable(Exception):
+class DriverUnavailable(AgentError):
     """The driver cannot run anything on this machine (e.g. no docker engine answers)."""
 
 

@@ -34,7 +34,9 @@ class EchoSettings:
     tokens_per_s: float = 0.0  # 0: as fast as possible
 
 
-class BadRequest(Exception):
+class _Rejected(Exception):
+    """A request the echo workload answers with an OpenAI error (its status and code)."""
+
     def __init__(self, message: str, *, status: int = 400, code: str = "invalid_request") -> None:
         super().__init__(message)
         self.status = status
@@ -91,7 +93,7 @@ class EchoApp:
             body = await self._body(request)
             prompt = _chat_prompt(body.get("messages"))
             limit = _max_tokens(body, ("max_completion_tokens", "max_tokens"), default=None)
-        except BadRequest as exc:
+        except _Rejected as exc:
             return _error(str(exc), status=exc.status, code=exc.code)
         completion = self._complete(request, "chatcmpl", prompt, limit)
         if body.get("stream"):
@@ -116,7 +118,7 @@ class EchoApp:
             body = await self._body(request)
             prompt = _text_prompt(body.get("prompt", ""))
             limit = _max_tokens(body, ("max_tokens",), default=_COMPLETIONS_DEFAULT_MAX_TOKENS)
-        except BadRequest as exc:
+        except _Rejected as exc:
             return _error(str(exc), status=exc.status, code=exc.code)
         completion = self._complete(request, "cmpl", prompt, limit)
         if body.get("stream"):
@@ -140,12 +142,12 @@ class EchoApp:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"the body is not valid JSON: {exc}") from None
+            raise _Rejected(f"the body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
+            raise _Rejected("the body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.settings.model:
-            raise BadRequest(
+            raise _Rejected(
                 f"The model `{model}` does not exist (this server serves `{self.settings.model}`).",
                 status=404,
                 code="model_not_found",
@@ -237,11 +239,11 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 def _chat_prompt(messages: object) -> str:
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("`messages` must be a non-empty list")
+        raise _Rejected("`messages` must be a non-empty list")
     users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
     last = (users or messages)[-1]
     if not isinstance(last, dict):
-        raise BadRequest("each message must be an object with `role` and `content`")
+        raise _Rejected("each message must be an object with `role` and `content`")
     content = last.get("content", "")
     if isinstance(content, str):
         return content
@@ -252,7 +254,7 @@ def _chat_prompt(messages: object) -> str:
             for part in content
             if isinstance(part, dict) and part.get("type") == "text"
         )
-    raise BadRequest("message `content` must be a string or a list of content parts")
+    raise _Rejected("message `content` must be a string or a list of content parts")
 
 
 def _text_prompt(prompt: object) -> str:
@@ -260,7 +262,7 @@ def _text_prompt(prompt: object) -> str:
         return prompt
     if isinstance(prompt, list) and all(isinstance(p, str | int) for p in prompt):
         return " ".join(str(p) for p in prompt)
-    raise BadRequest("`prompt` must be a string or a list of strings")
+    raise _Rejected("`prompt` must be a string or a list of strings")
 
 
 def _max_tokens(body: dict[str, Any], keys: Sequence[str], *, default: int | None) -> int | None:
@@ -269,7 +271,7 @@ def _max_tokens(body: dict[str, Any], keys: Sequence[str], *, default: int | Non
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise BadRequest(f"`{key}` must be a whole number >= 0")
+            raise _Rejected(f"`{key}` must be a whole number >= 0")
         return value
     return default
 
