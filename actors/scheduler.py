@@ -52,12 +52,6 @@ __all__ = ["NoFit", "Placement", "free_gpus", "schedule"]
 # A failed or stopped replica's process is gone, so its GPUs are free again.
 RELEASED = frozenset({"failed", "stopped"})
 
-# Test-only switch: the simulator's property tests set it to "stack_replicas" to prove that they
-# find a placement bug and shrink it to a short case (tests/sim/test_stateful.py). Production
-# code never sets it; None means the scheduler as designed.
-INJECTED_BUG: str | None = None
-
-
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
     """The chosen node and GPUs, why they won, and the nodes considered (the best and the first
     rejected by name, the rest counted in `why`).
@@ -119,8 +113,6 @@ def schedule(
     ours = [p for p in live if p.cluster == spec.name]
     where = {n.node_id: (n.region, n.zone) for n in nodes}
     on_node = Counter(p.node_id for p in ours)
-    if INJECTED_BUG == "stack_replicas":  # the bug: prefer nodes that already hold a replica
-        on_node = Counter({node: -count for node, count in on_node.items()})
     # A replica on a node we no longer know has no known zone, so it counts towards none.
     in_zone = Counter(where[p.node_id] for p in ours if p.node_id in where)
     in_region = Counter(where[p.node_id][0] for p in ours if p.node_id in where)

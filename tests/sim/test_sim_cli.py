@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 import sim.cli
-from actors import scheduler
 from gpumesh.cli import main
 from sim.run import run_scenario
 from sim.scenario import load
+from tests.sim.planted_bugs import plant_stacking_bug, remove_planted_bugs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -196,7 +196,7 @@ def test_fuzz_finds_the_injected_bug_stops_shrinks_and_prints_the_replay_command
 ) -> None:
     """The scheduler bug stacks replicas from the first deploy, so no fault is needed: the
     shrunk schedule must be empty, and the record must replay identically (bug and all)."""
-    monkeypatch.setattr(scheduler, "INJECTED_BUG", "stack_replicas")
+    plant_stacking_bug(monkeypatch)
     seeds_run: list[int] = []
     real = sim.cli.execute
 
@@ -221,7 +221,7 @@ def test_fuzz_finds_the_injected_bug_stops_shrinks_and_prints_the_replay_command
     assert main(["sim", "replay", str(record)]) == 0  # the failing run, identically
     assert "identical, byte for byte" in capsys.readouterr().out
     # Fixed code is a different run: replay tells.
-    monkeypatch.setattr(scheduler, "INJECTED_BUG", None)
+    remove_planted_bugs(monkeypatch)
     assert main(["sim", "replay", str(record)]) == 1
     assert "DIFFERENT from the record" in capsys.readouterr().out
 

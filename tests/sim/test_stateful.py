@@ -29,11 +29,11 @@ from hypothesis.stateful import (
 )
 
 import projections
-from actors import scheduler
 from sim.loop import SimEventLoop
 from sim.run import quiet_logger
 from sim.scenario import Fleet, Scenario
 from sim.world import World
+from tests.sim.planted_bugs import plant_stacking_bug
 
 NODES = 5  # two RTX 4090s each: room for every cluster the machine can ask for, but not much
 NODE_IDS = [f"node-{i}" for i in range(NODES)]
@@ -298,7 +298,7 @@ def test_an_injected_scheduler_bug_is_found_and_shrunk(monkeypatch: pytest.Monke
     """With the scheduler preferring nodes that already hold a replica of the cluster, the
     machine must fail (the Checker's spread invariant), and Hypothesis must shrink the failing
     run to 10 steps or fewer."""
-    monkeypatch.setattr(scheduler, "INJECTED_BUG", "stack_replicas")
+    plant_stacking_bug(monkeypatch)
     SimMachine.failing_runs = []
     with pytest.raises(AssertionError) as caught:
         run_state_machine_as_test(

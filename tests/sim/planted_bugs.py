@@ -1,0 +1,52 @@
+"""Bugs the simulator's tests plant in production code from outside, to prove the checkers
+find them: production code carries no switch for them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import pytest
+
+from actors import cluster_actor, scheduler
+from events import ClusterSpec
+from projections.views import NodeView, ReplicaView
+from runtime.env import RandomSource
+
+Schedule = Callable[..., Any]
+
+
+def stacking(real: Schedule) -> Schedule:
+    """`real`, but preferring nodes that already hold a replica of the cluster: the spread
+    invariant (never two replicas of one cluster on one node when it can be avoided) must
+    catch it from the second placement on a node with a GPU to spare."""
+
+    def schedule(
+        nodes: Sequence[NodeView],
+        spec: ClusterSpec,
+        placements: Sequence[ReplicaView],
+        rng: RandomSource,
+        *,
+        avoid: Collection[str] = (),
+    ) -> scheduler.Placement | scheduler.NoFit:
+        held = {
+            p.node_id
+            for p in placements
+            if p.cluster == spec.name and p.status not in scheduler.RELEASED
+        }
+        stacked = [n for n in nodes if n.node_id in held]
+        if stacked:
+            decision = real(stacked, spec, placements, rng, avoid=avoid)
+            if isinstance(decision, scheduler.Placement):
+                return decision
+        return real(nodes, spec, placements, rng, avoid=avoid)
+
+    return schedule
+
+
+def plant_stacking_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_actor, "schedule", stacking(scheduler.schedule))
+
+
+def remove_planted_bugs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cluster_actor, "schedule", scheduler.schedule)
