@@ -1,6 +1,6 @@
 """The production Env: the asyncio loop's clock, the OS wall clock, a seeded random source.
 
-This is the one module of actors/ allowed to read the wall clock and OS entropy.
+This is the one module of runtime/ allowed to read the wall clock and OS entropy.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import sys
+from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 
 import pytest
 
@@ -115,6 +118,44 @@ def test_no_ambient_time_randomness_or_sockets(package: str) -> None:
         if rel in EXEMPT or path.name == "cli.py":
             continue
         bad += [f"{rel}: {p}" for p in determinism_violations(ast.parse(path.read_text()))]
+    assert bad == []
+
+
+def modules_the_simulator_runs(scenarios: Sequence[str]) -> set[str]:
+    """Our modules (outside sim/) with code that runs during these scenarios, as paths."""
+    from sim.run import find_scenario, quiet_logger, run_scenario
+    from sim.scenario import load
+
+    ran: set[str] = set()
+
+    def note(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call":
+            ran.add(frame.f_code.co_filename)
+
+    for name in scenarios:
+        scenario = load(find_scenario(name))
+        sys.setprofile(note)
+        try:
+            run_scenario(scenario, 1, log=quiet_logger())
+        finally:
+            sys.setprofile(None)
+    ours = {Path(f).resolve() for f in ran if Path(f).resolve().is_relative_to(ROOT)}
+    return {
+        str(path.relative_to(ROOT))
+        for path in ours
+        if path.relative_to(ROOT).parts[0] in PACKAGES and path.relative_to(ROOT).parts[0] != "sim"
+    }
+
+
+def test_every_module_the_simulator_runs_keeps_the_determinism_rules() -> None:
+    """gateway/ and nodeagent/ are not deterministic packages, yet their routing, dispatch and
+    agent code run inside the simulator: every module that does is held to the same rules,
+    found by running scenarios that crash the controller, cut NATS and partition nodes."""
+    ran = modules_the_simulator_runs(["controller-crash-deploy", "nats-outage", "partition-heal"])
+    assert {"gateway/dispatch.py", "gateway/router.py", "nodeagent/agent.py"} <= ran
+    bad = []
+    for rel in sorted(ran - EXEMPT):
+        bad += [f"{rel}: {p}" for p in determinism_violations(ast.parse((ROOT / rel).read_text()))]
     assert bad == []
 
 

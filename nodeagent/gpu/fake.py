@@ -7,7 +7,6 @@ report ECC and XID errors (through the agent's fault subject) without any hardwa
 from __future__ import annotations
 
 import math
-import random
 import re
 import uuid
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 from events.contract.messages import Fault
 from events.node import GpuInfo, GpuMetrics
 from runtime.env import RandomSource
+from runtime.real_env import seeded_rng_factory
 
 from .probe import Inventory, ProbeError
 
@@ -78,7 +78,7 @@ class FakeGpuProbe:
         cuda_version: str = "12.4",
     ) -> None:
         self._gpus = tuple(gpus)
-        self._rng: RandomSource = rng if rng is not None else random.Random(0)
+        self._rng: RandomSource = rng if rng is not None else seeded_rng_factory(0)("fake-gpu")
         self._driver_version = driver_version
         self._cuda_version = cuda_version
         self.clear()
