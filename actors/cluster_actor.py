@@ -172,85 +172,97 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         spec = self.state.spec
         if spec is None:
             return 0
-        live = self.fleet.live
         async with self.fleet.placement_lock:
-            fleet = live.state
-            nodes = fleet.nodes.nodes
-            mine = sorted(
-                (r for r in fleet.replicas.replicas.values() if r.cluster == self.name),
-                key=_ordinal,
-            )
-            actions = 0
-            last = 0
+            replicas = self.fleet.live.state.replicas.replicas
+            mine = sorted((r for r in replicas.values() if r.cluster == self.name), key=_ordinal)
             if self.state.deleted:
-                for r in mine:
-                    if r.status in ACTIVE:
-                        last = max(last, await self._tell(r, Stop("cluster deleted"), spec))
-                        actions += 1
-                await live.wait_for(last)
-                return actions
+                return await self._stop_active(spec, mine)
+            failed = await self._fail_on_lost_nodes(spec, mine)
+            mine = [replicas[r.replica_id] for r in mine]
+            placed, mine = await self._bring_up(ctx, spec, mine)
+            stopped = await self._retire(spec, mine)
+            return failed + placed + stopped
 
-            # 1. Replicas whose node is gone or broken have failed.
+    async def _stop_active(self, spec: ClusterSpec, mine: list[ReplicaView]) -> int:
+        actions = last = 0
+        for r in mine:
+            if r.status in ACTIVE:
+                last = max(last, await self._tell(r, Stop("cluster deleted"), spec))
+                actions += 1
+        await self.fleet.live.wait_for(last)
+        return actions
+
+    async def _fail_on_lost_nodes(self, spec: ClusterSpec, mine: list[ReplicaView]) -> int:
+        """Step 1: replicas whose node is gone or broken have failed."""
+        nodes = self.fleet.live.state.nodes.nodes
+        actions = last = 0
+        for r in mine:
+            node = nodes.get(r.node_id)
+            if r.status in ACTIVE and _lost(node):
+                unhealthy = node is not None and node.health == "unhealthy"
+                fail = Fail(
+                    "node_unhealthy" if unhealthy else "node_offline",
+                    f"node {r.node_id} is {node.health if node else 'removed'}",
+                    stop_on_node=unhealthy,
+                )
+                last = max(last, await self._tell(r, fail, spec))
+                actions += 1
+        await self.fleet.live.wait_for(last)
+        return actions
+
+    async def _bring_up(
+        self, ctx: ActorContext[ClusterMsg], spec: ClusterSpec, mine: list[ReplicaView]
+    ) -> tuple[int, list[ReplicaView]]:
+        """Step 2: bring the count in service on good nodes up to the desired number. Returns
+        how many were placed, and `mine` as it is afterwards (new replicas last)."""
+        fleet = self.fleet.live.state
+        nodes = fleet.nodes.nodes
+        serving = [r for r in mine if r.status in ACTIVE and _good(nodes.get(r.node_id))]
+        missing = spec.replicas - len(serving)
+        if missing <= 0:
+            return 0, mine
+        retry = [r for r in mine if r.status == "failed"]
+        placed, blocked = await self._place(ctx, spec, missing, retry, mine)
+        if blocked is not None and blocked.reason != self.state.unschedulable:
+            unschedulable = ClusterUnschedulable(
+                name=self.name,
+                missing=missing - placed,
+                reason=blocked.reason,
+                candidates=blocked.candidates,
+            )
+            await self._persist_and_wait(ctx, [unschedulable])
+            ctx.log.warning("cluster_unschedulable", reason=blocked.reason)
+        known = {m.replica_id for m in mine}
+        refreshed = [fleet.replicas.replicas[r.replica_id] for r in mine]
+        added = [
+            r
+            for r in fleet.replicas.replicas.values()
+            if r.cluster == self.name and r.replica_id not in known
+        ]
+        return placed, refreshed + added
+
+    async def _retire(self, spec: ClusterSpec, mine: list[ReplicaView]) -> int:
+        """Steps 3 and 4: replicas on degraded or drained nodes stop once replacements are
+        ready; then extras on good nodes stop, not-ready and newest first."""
+        nodes = self.fleet.live.state.nodes.nodes
+        actions = last = 0
+        good_ready = [r for r in mine if r.status == "ready" and _good(nodes.get(r.node_id))]
+        if len(good_ready) >= spec.replicas:
             for r in mine:
                 node = nodes.get(r.node_id)
-                if r.status in ACTIVE and _lost(node):
-                    unhealthy = node is not None and node.health == "unhealthy"
-                    fail = Fail(
-                        "node_unhealthy" if unhealthy else "node_offline",
-                        f"node {r.node_id} is {node.health if node else 'removed'}",
-                        stop_on_node=unhealthy,
-                    )
-                    last = max(last, await self._tell(r, fail, spec))
+                if r.status in ACTIVE and not _good(node) and not _lost(node):
+                    why = "node drained" if node and node.drained else "node degraded"
+                    last = max(last, await self._tell(r, Stop(why), spec))
                     actions += 1
-            await live.wait_for(last)
-            mine = [fleet.replicas.replicas[r.replica_id] for r in mine]
-
-            # 2. Bring the count in service on good nodes up to the desired number.
-            serving = [r for r in mine if r.status in ACTIVE and _good(nodes.get(r.node_id))]
-            missing = spec.replicas - len(serving)
-            if missing > 0:
-                retry = [r for r in mine if r.status == "failed"]
-                placed, blocked = await self._place(ctx, spec, missing, retry, mine)
-                actions += placed
-                if blocked is not None and blocked.reason != self.state.unschedulable:
-                    await self._persist_and_wait(
-                        ctx,
-                        [
-                            ClusterUnschedulable(
-                                name=self.name,
-                                missing=missing - placed,
-                                reason=blocked.reason,
-                                candidates=blocked.candidates,
-                            )
-                        ],
-                    )
-                    ctx.log.warning("cluster_unschedulable", reason=blocked.reason)
-                mine = [fleet.replicas.replicas[r.replica_id] for r in mine] + [
-                    r
-                    for r in fleet.replicas.replicas.values()
-                    if r.cluster == self.name and r.replica_id not in {m.replica_id for m in mine}
-                ]
-
-            # 3. Replicas on degraded/drained nodes stop once replacements are ready.
-            good_ready = [r for r in mine if r.status == "ready" and _good(nodes.get(r.node_id))]
-            if len(good_ready) >= spec.replicas:
-                for r in mine:
-                    node = nodes.get(r.node_id)
-                    if r.status in ACTIVE and not _good(node) and not _lost(node):
-                        why = "node drained" if node and node.drained else "node degraded"
-                        last = max(last, await self._tell(r, Stop(why), spec))
-                        actions += 1
-
-            # 4. Scale down: stop extras on good nodes, not-ready and newest first.
-            serving = [r for r in mine if r.status in ACTIVE and _good(nodes.get(r.node_id))]
-            extra = len(serving) - spec.replicas
-            if extra > 0:
-                order = sorted(serving, key=lambda r: (r.status == "ready", -_ordinal(r)))
-                for r in order[:extra]:
-                    last = max(last, await self._tell(r, Stop("scaled down"), spec))
-                    actions += 1
-            await live.wait_for(last)
-            return actions
+        serving = [r for r in mine if r.status in ACTIVE and _good(nodes.get(r.node_id))]
+        extra = len(serving) - spec.replicas
+        if extra > 0:
+            order = sorted(serving, key=lambda r: (r.status == "ready", -_ordinal(r)))
+            for r in order[:extra]:
+                last = max(last, await self._tell(r, Stop("scaled down"), spec))
+                actions += 1
+        await self.fleet.live.wait_for(last)
+        return actions
 
     async def _place(
         self,

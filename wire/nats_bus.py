@@ -185,6 +185,57 @@ class NatsSubscription:
             pass  # a full queue wakes no waiter; the iterator sees `closed` once it drains
 
 
+class _ConnectionEvents:
+    """nats-py's callbacks for one connection. Until the first connect succeeds (`bus` is None)
+    errors are kept, to explain the failure; after it, they count on the bus and go to the log."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.url = url
+        self.name = name
+        self.bus: NatsBus | None = None
+        self.first_errors: list[BaseException] = []
+
+    async def error(self, exc: Exception) -> None:
+        bus = self.bus
+        if bus is None:
+            self.first_errors.append(exc)
+        elif _is_refusal(exc):
+            bus._note_refusal(exc)
+        elif isinstance(exc, nats.errors.SlowConsumerError):
+            log.warning("nats_slow_consumer", subject=exc.subject, name=self.name)
+        elif isinstance(exc, OSError | TimeoutError | nats.errors.StaleConnectionError):
+            # A dropped connection and every failed reconnect attempt land here: expected
+            # while the server is down, and nats_disconnected already said so.
+            log.debug("nats_connection_error", url=self.url, error=describe(exc))
+        else:
+            log.warning("nats_error", url=self.url, error=describe(exc))
+
+    async def disconnected(self) -> None:
+        if self.bus is not None and not self.bus._closing:
+            self.bus.disconnects += 1
+            log.warning("nats_disconnected", url=self.url, name=self.name)
+
+    async def reconnected(self) -> None:
+        bus = self.bus
+        if bus is not None:
+            bus._refusals = 0
+            bus.reconnects += 1
+            log.info("nats_reconnected", url=self.url, name=self.name, reconnects=bus.reconnects)
+            bus._reconnected.set()
+
+    async def closed(self) -> None:
+        log.debug("nats_closed", url=self.url, name=self.name)
+
+
+async def _close_unconnected(client: Client, timeout: float) -> None:
+    try:
+        # Bounded: after a failed TLS upgrade nats-py's close() was seen never to end.
+        async with asyncio.timeout(timeout):
+            await client.close()
+    except (nats.errors.Error, TimeoutError):
+        pass  # never connected: nothing to close
+
+
 class NatsBus:
     """Bus over one NATS connection. Build it with `await NatsBus.connect(url, name=...)`."""
 
@@ -223,38 +274,7 @@ class NatsBus:
         if credentials is not None:
             secured = credentials.connect_options()
             url = secure_url(url)
-        first_errors: list[BaseException] = []
-        bus: NatsBus | None = None
-
-        async def on_error(exc: Exception) -> None:
-            if bus is None:
-                first_errors.append(exc)
-            elif _is_refusal(exc):
-                bus._note_refusal(exc)
-            elif isinstance(exc, nats.errors.SlowConsumerError):
-                log.warning("nats_slow_consumer", subject=exc.subject, name=name)
-            elif isinstance(exc, OSError | TimeoutError | nats.errors.StaleConnectionError):
-                # A dropped connection and every failed reconnect attempt land here: expected
-                # while the server is down, and nats_disconnected already said so.
-                log.debug("nats_connection_error", url=url, error=describe(exc))
-            else:
-                log.warning("nats_error", url=url, error=describe(exc))
-
-        async def on_disconnected() -> None:
-            if bus is not None and not bus._closing:
-                bus.disconnects += 1
-                log.warning("nats_disconnected", url=url, name=name)
-
-        async def on_reconnected() -> None:
-            if bus is not None:
-                bus._refusals = 0
-                bus.reconnects += 1
-                log.info("nats_reconnected", url=url, name=name, reconnects=bus.reconnects)
-                bus._reconnected.set()
-
-        async def on_closed() -> None:
-            log.debug("nats_closed", url=url, name=name)
-
+        events = _ConnectionEvents(url, name)
         # nats-py either gives up at once or retries forever, for the first connection as for
         # later ones. We want both: fail fast now (one retry, no wait), then retry forever.
         deadline = connect_timeout * 3 + 1.0
@@ -270,20 +290,15 @@ class NatsBus:
                     max_reconnect_attempts=1,
                     reconnect_time_wait=0,
                     drain_timeout=drain_timeout,  # type: ignore[arg-type]
-                    error_cb=on_error,
-                    disconnected_cb=on_disconnected,
-                    reconnected_cb=on_reconnected,
-                    closed_cb=on_closed,
+                    error_cb=events.error,
+                    disconnected_cb=events.disconnected,
+                    reconnected_cb=events.reconnected,
+                    closed_cb=events.closed,
                     **secured,
                 )
         except (OSError, TimeoutError, nats.errors.Error) as exc:
-            cause = first_errors[0] if first_errors else exc
-            try:
-                # Bounded: after a failed TLS upgrade nats-py's close() was seen never to end.
-                async with asyncio.timeout(connect_timeout):
-                    await client.close()
-            except (nats.errors.Error, TimeoutError):
-                pass  # never connected: nothing to close
+            cause = events.first_errors[0] if events.first_errors else exc
+            await _close_unconnected(client, connect_timeout)
             reason = describe(cause, timeout=connect_timeout)
             if credentials is None and isinstance(cause, TimeoutError):
                 reason += " (if that server requires TLS and credentials, pass --nats-creds)"
@@ -291,7 +306,7 @@ class NatsBus:
         client.options["allow_reconnect"] = True
         client.options["max_reconnect_attempts"] = -1
         client.options["reconnect_time_wait"] = reconnect_wait
-        bus = cls(client, url, name)
+        bus = events.bus = cls(client, url, name)
         bus._callback_runner = asyncio.create_task(
             bus._run_reconnect_callbacks(), name=f"nats-reconnect-callbacks:{name}"
         )
