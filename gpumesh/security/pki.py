@@ -18,6 +18,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+# One reading of a certificate's names, shared with the embedded server's start-up check.
+from wire.nats_server import certificate_hosts as certificate_hosts
+
 CA_YEARS = 10
 SERVER_DAYS = 825  # the longest validity clients such as macOS still accept for a leaf
 DEFAULT_HOSTS = ("127.0.0.1", "localhost")
@@ -123,14 +126,6 @@ def create_server_cert(
     )
     write_private(key_path, _key_pem(key))
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-
-
-def certificate_hosts(cert_path: Path) -> list[str]:
-    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    return [str(v) for v in san.get_values_for_type(x509.IPAddress)] + list(
-        san.get_values_for_type(x509.DNSName)
-    )
 
 
 def not_after(cert_path: Path) -> datetime.datetime:
