@@ -117,14 +117,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from runtime.errors import BusError
     from sim.scenario import ScenarioError
     from wire.errors import WireError
-    from wire.nats_server import NatsServerError
 
     return (
         EventStoreError,
         OSError,
         WireError,
         BusError,
-        NatsServerError,
         ControllerError,
         AgentError,
         ReadModelError,

