@@ -52,6 +52,7 @@ __all__ = ["NoFit", "Placement", "free_gpus", "schedule"]
 # A failed or stopped replica's process is gone, so its GPUs are free again.
 RELEASED = frozenset({"failed", "stopped"})
 
+
 class Placement(msgspec.Struct, frozen=True, kw_only=True):
     """The chosen node and GPUs, why they won, and the nodes considered (the best and the first
     rejected by name, the rest counted in `why`).
