@@ -33,16 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "nodeagent": {"events", "runtime", "wire"},
     "gateway": {"events", "runtime", "wire"},
     "sim": {"events", "projections", "runtime", "wire", "actors", "nodeagent", "gateway"},
-    "gpumesh": {
-        "events",
-        "projections",
-        "runtime",
-        "wire",
-        "actors",
-        "nodeagent",
-        "gateway",
-        "sim",
-    },
+    "gpumesh": set(PACKAGES) - {"gpumesh"},
 }
 
 # Actor, event and projection code takes these from the injected Env, never from the process.
