@@ -1,7 +1,7 @@
 """Crash loop: kill -9 the controller, agents, the gateway and nats-server at random points of a
 scripted workload, again and again, and check that nothing acknowledged was lost.
 
-    python bench/crashloop.py [--kills 50] [--seed 1] [--agents 3] [--json]
+    python bench/crashloop.py [--kills 50] [--seed 1] [--agents 3] [--json] [--quick]
 
 Every part is its own process on loopback (tests/integration/stack.py: nats-server with
 JetStream, the controller on a SQLite log, agents with fake GPUs and echo workloads), plus a
@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 import projections  # noqa: E402
 from bench._gateway_process import GatewayProcess  # noqa: E402
+from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from events.contract import subjects  # noqa: E402
 from events.sqlite_store import SqliteEventStore  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
@@ -55,6 +56,8 @@ from runtime.env import BusError  # noqa: E402
 from tests.integration.stack import ApiError, Stack, echo_spec  # noqa: E402
 
 VICTIMS = ("controller", "agent", "gateway", "nats")
+# 4 kills, 2 agents; seed 59's killer picks each kind of victim once.
+QUICK = {"kills": 4, "agents": 2, "seed": 59}
 
 
 @dataclass
@@ -263,9 +266,12 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--agents", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    add_quick(parser, " ".join(f"--{k} {v}" for k, v in QUICK.items()))
     arguments = parser.parse_args()
+    apply_quick(parser, arguments, **QUICK)
     configure_logging(level="warning", json=False, stream=sys.stderr)
-    outcome = asyncio.run(main(arguments))
+    announce(arguments, json_output=arguments.json)
+    outcome = mark(arguments, asyncio.run(main(arguments)))
     if arguments.json:
         print(json.dumps(outcome, indent=2))
     else:

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from events import GpuMetrics, NewEvent, NodeHeartbeat, new_event  # noqa: E402
+from bench._quick import add_quick, announce, mark  # noqa: E402
+from events import GpuMetrics, NewEvent, NodeHeartbeat, new_event, stream_of  # noqa: E402
 from events.codec import encode_payload  # noqa: E402
 from events.sqlite_store import SqliteEventStore  # noqa: E402
 
@@ -41,7 +42,8 @@ TARGETS = {
     ("FULL", 1): 5_000.0,  # one fsync per append: the disk, not Python, should be the limit
 }
 DEFAULT_EVENTS = 40_000
-QUICK_EVENTS = 4_000
+QUICK_EVENTS = 1_000
+QUICK_REBUILD_EVENTS = 10_000
 DEFAULT_REPEAT = 3
 # Simulated wall clock for event ids: about 50k events/s, so UUIDv7 ids are as time-ordered as
 # under real load (ids generated at append time, roughly in commit order).
@@ -87,7 +89,7 @@ async def run_appenders(path: Path, mode: str, appenders: int, events: int) -> d
     try:
 
         async def appender(i: int, mine: list[NewEvent]) -> None:
-            stream = f"node/bench{i}"
+            stream = stream_of(mine[0].payload)  # heartbeat/bench<i>
             for version, event in enumerate(mine):
                 await store.append(stream, [event], version)
 
@@ -132,7 +134,7 @@ def raw_rows(events: int) -> list[tuple[Any, ...]]:
                 (
                     position,
                     event.event_id,
-                    f"node/bench{i}",
+                    stream_of(event.payload),
                     version + 1,
                     event.type,
                     event.recorded_at,
@@ -176,14 +178,14 @@ def raw_executemany(
 
 
 def rebuild_section(args: argparse.Namespace) -> dict[str, Any]:
-    """Part (c): rebuild every projection from a synthetic log (1M events; 100k with --quick)."""
+    """Part (c): rebuild every projection from a synthetic log (1M events; 10k with --quick)."""
     if args.rebuild_events == 0:
         return {}
     import tempfile
 
     from bench.rebuild import run as run_rebuild
 
-    events = args.rebuild_events or (100_000 if args.quick else 1_000_000)
+    events = args.rebuild_events or (QUICK_REBUILD_EVENTS if args.quick else 1_000_000)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         return run_rebuild(Path(tmp), events)
 
@@ -319,8 +321,9 @@ def print_table(report: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument(
-        "--quick", action="store_true", help=f"{QUICK_EVENTS:,} events per run, one run each"
+    add_quick(
+        parser,
+        f"{QUICK_EVENTS:,} events per run, one run each, {QUICK_REBUILD_EVENTS:,} in the rebuild",
     )
     parser.add_argument("--events", type=int, default=0, help="events per run (overrides)")
     parser.add_argument(
@@ -331,10 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         "--rebuild-events",
         type=int,
         default=None,
-        help="events in the rebuild log (default 1,000,000; 100,000 with --quick; 0 skips it)",
+        help=f"events in the rebuild log (default 1,000,000; {QUICK_REBUILD_EVENTS:,} with "
+        "--quick; 0 skips it)",
     )
     args = parser.parse_args(argv)
-    report = run(args)
+    announce(args, json_output=args.json)
+    report = mark(args, run(args))
     if args.json:
         print(json.dumps(report))
     else:

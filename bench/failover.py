@@ -37,6 +37,9 @@ controller, N agents with fake GPUs, real echo workloads. Health settings are th
         vllm-router if installed (on PATH, in --peers-venv, or installed there by
         --install-peers); otherwise each is skipped with the reason.
 
+--quick shrinks whichever mode runs, for CI (its figures are marked, not comparable): one run;
+4 agents for --soak too; --seconds 3 --kill-at 1.5 for --clients.
+
 Targets printed beside the results: detection <= 3 s; replacement <= detection + 2 s + the
 workload's start time; through a proxy, 0 requests failed before the first byte and no stream
 cut silently. A benchmark that prints figures, not a test.
@@ -73,6 +76,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp  # noqa: E402
 
 from bench._failover_clients import WORDS, read_load, read_traces  # noqa: E402
+from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from events.envelope import Envelope  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
 from tests.integration.stack import (  # noqa: E402
@@ -87,6 +91,7 @@ from tests.integration.stack import (  # noqa: E402
 DETECTION_TARGET_S = 3.0
 DECISION_BUDGET_S = 2.0  # replacement <= detection + this + the workload's start time
 REPLICAS = 3
+QUICK = {"runs": 1, "agents": 4, "seconds": 3.0, "kill_at": 1.5}
 
 
 def _s(ns: int) -> float:
@@ -1095,8 +1100,11 @@ def main() -> int:
         action="store_true",
         help=f"pip install vllm-router into --peers-venv (default {DEFAULT_PEERS_VENV})",
     )
+    add_quick(parser, "--runs 1, --agents 4 in every mode, --seconds 3 --kill-at 1.5")
     args = parser.parse_args()
+    apply_quick(parser, args, **QUICK)
     configure_logging(level="warning", json=False, stream=sys.stderr)
+    announce(args, json_output=args.json)
     if args.clients > 0:
         args.agents = args.agents or 4
         args.runs = args.runs or 1
@@ -1106,7 +1114,7 @@ def main() -> int:
             parser.error(f"--proxies: unknown {', '.join(unknown)}")
         if not 0 < args.kill_at < args.seconds:
             parser.error("--kill-at must fall inside --seconds")
-        result = asyncio.run(proxied(args))
+        result = mark(args, asyncio.run(proxied(args)))
         if args.json:
             print(json.dumps(result, indent=2))
         else:
@@ -1118,7 +1126,7 @@ def main() -> int:
         return 0 if met else 1
     if args.soak > 0:
         args.agents = args.agents or 20
-        result = asyncio.run(soak(args))
+        result = mark(args, asyncio.run(soak(args)))
         if args.json:
             print(json.dumps(result, indent=2))
         else:
@@ -1128,7 +1136,7 @@ def main() -> int:
     args.runs = args.runs or 5
     if not args.json:
         _print_header(args.agents)
-    result = asyncio.run(failover(args))
+    result = mark(args, asyncio.run(failover(args)))
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -1,6 +1,6 @@
 """What the node's fencing front (nodeagent/fencing_front.py) adds to a direct-transport request.
 
-    python bench/front.py [--requests 3000] [--json]
+    python bench/front.py [--requests 3000] [--json] [--quick]
 
 One echo workload (`gpumesh workload echo`, its own process) and, in this process, the front
 that forwards to it; a client in this process sends the same non-streaming chat request
@@ -27,10 +27,12 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from nodeagent.fencing_front import DirectFront, front_path  # noqa: E402
 from tests.integration.gateway_kit import free_port  # noqa: E402
 
 CHAT = b'{"model": "echo", "messages": [{"role": "user", "content": "front"}]}'
+QUICK_REQUESTS = 200
 
 
 async def _run(url: str, n: int) -> dict[str, float]:
@@ -101,8 +103,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--json", action="store_true")
+    add_quick(parser, f"--requests {QUICK_REQUESTS}")
     arguments = parser.parse_args()
-    result = main(arguments)
+    apply_quick(parser, arguments, requests=QUICK_REQUESTS)
+    announce(arguments, json_output=arguments.json)
+    result = mark(arguments, main(arguments))
     if arguments.json:
         print(json.dumps(result, indent=2))
     else:

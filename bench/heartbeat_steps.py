@@ -1,6 +1,6 @@
 """What one heartbeat's production work costs with no event loop, no network and no tasks.
 
-    python bench/heartbeat_steps.py [--nodes 1000] [--beats 20] [--json]
+    python bench/heartbeat_steps.py [--nodes 1000] [--beats 20] [--json] [--quick]
 
 Each step a recorded heartbeat takes through the production code, timed on its own in a
 plain loop over `--nodes` x `--beats` heartbeats (2 fake GPUs per node and 1 replica, as in
@@ -34,6 +34,7 @@ import projections  # noqa: E402
 from actors.health import HealthPolicy  # noqa: E402
 from actors.heartbeat_recorder import NodeLiveness, heartbeat_event  # noqa: E402
 from actors.intake_limit import IntakeLimiter  # noqa: E402
+from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from events import NodeRegistered, new_event, stream_name  # noqa: E402
 from events.contract import subjects  # noqa: E402
 from events.contract.messages import Heartbeat, HeartbeatAck, ReplicaLease, ReplicaState  # noqa: E402
@@ -42,6 +43,7 @@ from nodeagent.gpu import FakeGpuProbe  # noqa: E402
 from projections import FleetState  # noqa: E402
 
 TARGETS = {1_000: 50.0, 10_000: 5.0}
+QUICK = {"nodes": 100, "beats": 3}
 
 
 class Clock:
@@ -171,11 +173,14 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--beats", type=int, default=20, help="heartbeats per node")
     parser.add_argument("--json", action="store_true")
+    add_quick(parser, f"--nodes {QUICK['nodes']} --beats {QUICK['beats']}")
     args = parser.parse_args()
+    apply_quick(parser, args, **QUICK)
+    announce(args, json_output=args.json)
     steps = measure(args.nodes, args.beats)
     total = sum(steps.values())
     if args.json:
-        print(json.dumps({"steps_us": steps, "total_us": total}, indent=2))
+        print(json.dumps(mark(args, {"steps_us": steps, "total_us": total}), indent=2))
         return
     width = max(map(len, steps))
     for label, us in steps.items():

@@ -5,7 +5,7 @@ rate; this process runs the real controller (SQLite event store, synchronous=FUL
 counts committed `node.heartbeat.v1` events, with the latency from the agent's send to the
 commit being visible to a subscriber of the log.
 
-    python bench/heartbeats.py [--nodes 2000] [--rate 20000] [--seconds 20] [--json]
+    python bench/heartbeats.py [--nodes 2000] [--rate 20000] [--seconds 20] [--json] [--quick]
 
 Target (issue 3): at least 20,000 heartbeats/s recorded as events. A benchmark, not a test.
 """
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from actors.controller import Controller, ControllerConfig  # noqa: E402
 from actors.health import HealthPolicy  # noqa: E402
 from actors.outbox import OutboxPublisher  # noqa: E402
+from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from events.contract import subjects  # noqa: E402
 from events.contract.messages import Heartbeat, Register  # noqa: E402
 from events.node import GpuInfo, GpuMetrics, NodeHealthChanged, NodeHeartbeat  # noqa: E402
@@ -45,6 +46,7 @@ from wire.nats_bus import NatsBus  # noqa: E402
 from wire.nats_server import EmbeddedNats  # noqa: E402
 
 TARGET = 20_000
+QUICK = {"nodes": 50, "rate": 500.0, "seconds": 2.0}
 
 
 async def generate(url: str, nodes: int, rate: float, seconds: float, leases: bool) -> None:
@@ -245,6 +247,7 @@ def main() -> int:
         "heartbeat, as `gpumesh controller` and real agents do",
     )
     parser.add_argument("--json", action="store_true")
+    add_quick(parser, " ".join(f"--{k} {v:g}" for k, v in QUICK.items()))
     parser.add_argument("--leases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--generator", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
@@ -252,10 +255,12 @@ def main() -> int:
     if args.generator:
         asyncio.run(generate(args.url, args.nodes, args.rate, args.seconds, args.leases))
         return 0
+    apply_quick(parser, args, **QUICK)
     configure_logging(level="warning", json=False, stream=sys.stderr)
     if args.gc == "tuned":
         tune_collector()
-    result = asyncio.run(measure(args))
+    announce(args, json_output=args.json)
+    result = mark(args, asyncio.run(measure(args)))
     if args.json:
         print(json.dumps(result))
     else:

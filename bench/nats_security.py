@@ -2,7 +2,7 @@
 server, both run here, in this process, on the same machine.
 
     python bench/nats_security.py [--messages 200000] [--size 400] [--connects 40]
-                                  [--identities 1000] [--json]
+                                  [--round-trips 2000] [--identities 1000] [--json] [--quick]
 
 It measures, for a plain and a secured nats-server (the configuration `gpumesh up` writes):
   - connect: median time to a usable connection (TCP, TLS handshake, NKEY challenge);
@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from events.contract import subjects  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
 from gpumesh.security import identities  # noqa: E402
@@ -37,6 +38,7 @@ from wire.nats_bus import NatsBus  # noqa: E402
 from wire.nats_server import EmbeddedNats  # noqa: E402
 
 NODE = "node-0"
+QUICK = {"messages": 500, "connects": 3, "round_trips": 200, "identities": 5}
 
 
 async def _connect(url: str, name: str, creds: Credentials | None) -> NatsBus:
@@ -94,7 +96,7 @@ async def measure(
         trips = []
         async with asyncio.TaskGroup() as tasks:
             server = tasks.create_task(answer())
-            for _ in range(2000):
+            for _ in range(args.round_trips):
                 start = time.perf_counter()
                 await node.request(subjects.register(NODE), payload, timeout=5.0)
                 trips.append(time.perf_counter() - start)
@@ -175,9 +177,13 @@ if __name__ == "__main__":
     parser.add_argument("--messages", type=int, default=200_000)
     parser.add_argument("--size", type=int, default=400, help="bytes per message (a heartbeat)")
     parser.add_argument("--connects", type=int, default=40)
+    parser.add_argument("--round-trips", type=int, default=2000, help="requests timed (2000)")
     parser.add_argument("--identities", type=int, default=1000)
     parser.add_argument("--json", action="store_true")
+    add_quick(parser, " ".join(f"--{k.replace('_', '-')} {v}" for k, v in QUICK.items()))
     arguments = parser.parse_args()
+    apply_quick(parser, arguments, **QUICK)
     configure_logging(level="warning", json=False)
-    outcome = asyncio.run(main(arguments))
+    announce(arguments, json_output=arguments.json)
+    outcome = mark(arguments, asyncio.run(main(arguments)))
     print(json.dumps(outcome, indent=2) if arguments.json else report(outcome))

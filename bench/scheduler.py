@@ -1,6 +1,6 @@
 """What one placement decision costs as the fleet grows, and how large its event is.
 
-    python bench/scheduler.py [--nodes 100,1000,10000,20000] [--repeat 20] [--json]
+    python bench/scheduler.py [--nodes 100,1000,10000,20000] [--repeat 20] [--json] [--quick]
 
 For each fleet size: `actors.scheduler.schedule` on N healthy nodes (1 to 8 GPUs of two
 models, three regions, 5% offline, utilization and price varied; 2 clusters already placed on
@@ -32,11 +32,13 @@ sys.path.insert(0, str(ROOT))
 import msgspec  # noqa: E402
 
 from actors.scheduler import NoFit, Placement, schedule  # noqa: E402
+from bench._quick import add_quick, announce, apply_quick  # noqa: E402
 from events import ClusterSpec, ClusterUnschedulable, GpuInfo, GpuMetrics  # noqa: E402
 from events.replica import ReplicaPlaced  # noqa: E402
 from projections.views import NodeView, ReplicaView  # noqa: E402
 
 REGIONS = ("eu-west", "eu-central", "us-east")
+QUICK = {"nodes": "100,1000", "repeat": 3}
 
 
 def fleet(count: int, rng: random.Random) -> list[NodeView]:
@@ -151,7 +153,10 @@ def main() -> None:
     parser.add_argument("--nodes", default="100,1000,10000,20000", help="fleet sizes")
     parser.add_argument("--repeat", type=int, default=20, help="decisions per size (median)")
     parser.add_argument("--json", action="store_true")
+    add_quick(parser, f"--nodes {QUICK['nodes']} --repeat {QUICK['repeat']}")
     args = parser.parse_args()
+    apply_quick(parser, args, **QUICK)
+    announce(args, json_output=args.json)
     rows = [row(int(n), args.repeat) for n in args.nodes.split(",")]
     if args.json:
         print(json.dumps(rows, indent=2))

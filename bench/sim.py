@@ -29,6 +29,10 @@
         --jobs J` as CI runs it (a child process; the fuzz re-runs 5% of passing seeds to check
         determinism), and both extrapolated to 1,000 seeds against CI's 90-minute budget.
 
+With --quick (for CI) each mode runs small: the rows become one of 100 nodes for 10 simulated
+seconds, the floor 100 nodes, the seeds mode one seed before the fuzz; figures marked, not
+comparable.
+
 Targets (issue): 1,000 nodes at 50x real time or faster, 10,000 nodes at 5x or faster, 1,000
 seeds of fleet-100 within CI's 90 minutes. A benchmark that prints figures, not a test.
 """
@@ -56,6 +60,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from sim.loop import run_simulation  # noqa: E402
 from sim.run import quiet_logger  # noqa: E402
 from sim.scenario import ClusterPlan, FaultPlan, Fleet, Scenario  # noqa: E402
@@ -66,6 +71,8 @@ CI_BUDGET_S = 90 * 60
 FULL_SEEDS = 1_000
 REPLAY_SHARE = 0.05  # sim/cli.py re-runs this share of passing seeds
 DEFAULT_ROWS = "100:60,1000:60,10000:20"
+QUICK = {"rows": "100:10", "seconds": 10.0, "sequential": 1}
+QUICK_FLOOR_NODES = 100
 HEARTBEAT = "node.heartbeat.v1"
 TICK_S = 0.25  # virtual seconds between the bench's own checks (wall budget, progress marks)
 
@@ -562,8 +569,14 @@ def main() -> int:
         "--floor", action="store_true", help="the loop's floor: a sleep and a queue hop per beat"
     )
     parser.add_argument("--json", action="store_true")
+    add_quick(
+        parser,
+        f"--rows {QUICK['rows']}, --seconds {QUICK['seconds']:g}, --sequential "
+        f"{QUICK['sequential']}, --floor at {QUICK_FLOOR_NODES} nodes",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    apply_quick(parser, args, **QUICK)
     fault = not args.no_fault
     command = shlex.join([Path(sys.executable).name, "bench/sim.py", *sys.argv[1:]])
 
@@ -572,8 +585,9 @@ def main() -> int:
         print(json.dumps(row))
         return 0
 
+    announce(args, json_output=args.json)
     if args.wakeups:
-        result = count_wakeups(args.seed, args.top)
+        result = mark(args, count_wakeups(args.seed, args.top))
         if args.json:
             print(json.dumps(result))
         else:
@@ -584,7 +598,8 @@ def main() -> int:
         return 0
 
     if args.floor:
-        floor = measure_floor(args.nodes or 1_000, min(args.seconds, 20.0))
+        nodes = args.nodes or (QUICK_FLOOR_NODES if args.quick else 1_000)
+        floor = mark(args, measure_floor(nodes, min(args.seconds, 20.0)))
         if args.json:
             print(json.dumps(floor))
         else:
@@ -598,7 +613,7 @@ def main() -> int:
 
     if args.seeds is not None:
         say(f"bench/sim.py: fleet-100 seeds ({args.sequential} sequential, then the fuzz)")
-        result = measure_seeds(args.seeds, args.jobs, args.sequential)
+        result = mark(args, measure_seeds(args.seeds, args.jobs, args.sequential))
         if args.json:
             print(json.dumps(result))
         else:
@@ -631,7 +646,7 @@ def main() -> int:
             )
         say(f"  {rows[-1]['speedup']:.2f}x real time in {rows[-1]['wall_s']:.1f} s wall")
     if args.json:
-        print(json.dumps({"rows": rows, "profile": costs}))
+        print(json.dumps(mark(args, {"rows": rows, "profile": costs})))
         return 0
     print_rows(rows)
     if costs is not None:
