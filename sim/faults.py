@@ -1,7 +1,9 @@
 """Applies a scenario's faults to a World at their virtual times, and undoes them.
 
-Victims are drawn from the run's seed when a fault fires, among the nodes that are healthy and
-powered at that moment, in sorted order, so a seed always picks the same ones.
+When each fault starts and each of its effects ends is sim/timeline.py's FaultTimeline, the
+one `gpumesh chaos` walks on wall time. Victims are drawn from the run's seed when a fault
+fires, among the nodes that are healthy and powered at that moment, in sorted order, so a seed
+always picks the same ones.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from events.contract.messages import Fault
 
 from .network import LinkFaults
 from .scenario import FaultPlan
+from .timeline import End, FaultTimeline
 
 if TYPE_CHECKING:
     from .world import SimNode, World
@@ -25,35 +28,27 @@ class FaultRunner:
     def __init__(self, world: World) -> None:
         self.world = world
         self.rng = world.derive("faults")
-        self._undo: list[tuple[float, str, Undo]] = []  # (when, what, undo)
+        self.timeline: FaultTimeline[Undo] = FaultTimeline()
         self._background: list[asyncio.Task[None]] = []
 
     async def run(self, faults: Sequence[FaultPlan], *, until: float) -> None:
-        for fault in faults:
-            await self._sleep_until(fault.at_s)
-            self._apply(fault)
-        await self._sleep_until(until)
-
-    async def _sleep_until(self, at: float) -> None:
-        while True:
-            due = sorted(u for u in self._undo if u[0] <= at)
-            if not due:
-                break
-            when, what, undo = due[0]
-            await asyncio.sleep(max(0.0, when - self.world.now()))
-            self._undo.remove((when, what, undo))
-            self.world.note(f"end    {what}")
-            undo()
-        await asyncio.sleep(max(0.0, at - self.world.now()))
+        world = self.world
+        for step in self.timeline.steps(faults, until=until):
+            await asyncio.sleep(max(0.0, step.at - world.now()))
+            if isinstance(step, End):
+                world.note(f"end    {step.what}")
+                step.undo()
+            else:
+                self._apply(step.fault)
+        await asyncio.sleep(max(0.0, until - world.now()))
 
     def end_all(self) -> None:
         """The faults stop: heal everything still in effect (liveness is judged after this)."""
         for task in self._background:
             task.cancel()
-        for _, what, undo in sorted(self._undo, key=lambda u: u[0]):
-            self.world.note(f"end    {what}")
-            undo()
-        self._undo.clear()
+        for end in self.timeline.cut():
+            self.world.note(f"end    {end.what}")
+            end.undo()
 
     def _victims(self, fault: FaultPlan) -> list[SimNode]:
         from .world import draw_victims
@@ -63,8 +58,9 @@ class FaultRunner:
         )
 
     def _later(self, fault: FaultPlan, what: str, undo: Undo) -> None:
-        if fault.duration_s is not None:
-            self._undo.append((self.world.now() + fault.duration_s, what, undo))
+        # From when it really started: virtual time can be the planned instant's float
+        # neighbour, and a seed's replay must keep the ends exactly where they always were.
+        self.timeline.ends_after(fault, self.world.now(), what, undo)
 
     def _apply(self, fault: FaultPlan) -> None:
         world = self.world

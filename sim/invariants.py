@@ -3,7 +3,8 @@
 Safety is checked at every step: each event is examined as it is committed (placements against
 the state just before them, stream versions), and each request the gateway sends is checked
 against the controller's record. Liveness, the rebuild and the command queue are checked once
-the faults have stopped and the world has settled.
+the faults have stopped and the world has settled (liveness with sim/liveness.py, which
+`gpumesh chaos` judges a real stack with too).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import contextlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import projections
 from actors.scheduler import RELEASED, eligible_gpus
@@ -27,9 +28,10 @@ from events.contract.messages import RouteEntry
 from projections import FleetState
 
 from .clock import SIM_EPOCH_NS
+from .liveness import short_in
 
 if TYPE_CHECKING:
-    from .world import SimNode, World
+    from .world import World
 
 # Faults the node's health must reflect, and how soon: offline after 3 missed 1 s heartbeats,
 # plus a heartbeat interval of slack. A fault shorter than that may rightly go unnoticed.
@@ -39,6 +41,13 @@ MUST_DETECT = frozenset(
 DETECTION_WINDOW_S = 5.0
 ROUTE_GRACE_S = 1.0  # a gateway's table may lag the controller by one publish: allow this much
 LIVENESS_S = 120.0  # after the faults stop, every cluster is whole again within this
+
+
+class Struck(Protocol):
+    """A node a fault struck: a simulated one, or a real one in `gpumesh chaos`."""
+
+    @property
+    def node_id(self) -> str: ...
 
 
 class Violation(NamedTuple):
@@ -223,7 +232,7 @@ class Checker:
         return (end - start) - down
 
     def fault(
-        self, kind: str, node: SimNode | None, at: float, lasting: float | None = None
+        self, kind: str, node: Struck | None, at: float, lasting: float | None = None
     ) -> None:
         if node is None:
             return
@@ -284,24 +293,5 @@ class Checker:
                     "no_command_lost",
                     f"{node_id} is healthy but has {len(pending)} unconsumed: {ids}",
                 )
-        healthy = [
-            n for n in live_state.nodes.nodes.values() if n.health == "healthy" and not n.drained
-        ]
-        clusters = sorted(live_state.clusters.clusters.items())
-        demand = sum(c.spec.replicas * c.spec.gpu.count for _, c in clusters)
-        if demand > sum(len(n.gpus) for n in healthy):
-            return  # capacity does not allow every cluster to be whole: nothing to demand
-        for name, cluster in clusters:
-            desired = cluster.spec.replicas
-            ready = sum(
-                1
-                for r in live_state.replicas.replicas.values()
-                if r.cluster == name and r.status == "ready"
-            )
-            if ready < desired:
-                self._violate(
-                    now,
-                    "liveness",
-                    f"{name}: {ready}/{desired} ready {world.scenario.settle_s:g} s after "
-                    f"the faults stopped, with {len(healthy)} healthy nodes",
-                )
+        for short in short_in(live_state, settle_s=world.scenario.settle_s):
+            self._violate(now, "liveness", short.detail)

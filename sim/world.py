@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from runtime.command_queue import Delivery
 from runtime.env import Bus, Env, RandomSource
 
 from .buggify import Buggify
+from .clients import TRAFFIC_AFTER_S, cluster_spec, poisson_traffic
 from .clock import SimClock
 from .commands import MemoryCommandQueue
 from .env import SeededStreams
@@ -323,29 +324,20 @@ class World:
         api = self.network.endpoint("client")
         for plan in sorted(self.scenario.clusters, key=lambda c: c.at_s):
             await asyncio.sleep(max(0.0, plan.at_s - self.now()))
-            spec = ClusterSpec(
-                name=plan.name,
-                replicas=plan.replicas,
-                model=plan.name,
-                command="serve --port {port}",
-                gpu=GpuRequirement(
-                    models=(plan.gpu_model,) if plan.gpu_model else (), count=plan.gpu_count
-                ),
-            )
+            spec = cluster_spec(plan, "serve --port {port}")
             reply = await _api(api, "cluster.create", spec)
             self.note(f"cluster {plan.name} created ({plan.replicas} replicas): {reply.ok}")
 
     async def _traffic(self, cluster: str, start: float) -> None:
         rng = self.derive(f"traffic:{cluster}")
         log = self.requests.setdefault(cluster, RequestLog())
-        await asyncio.sleep(start + 1.0)  # clients come once the deploy was announced
-        async with asyncio.TaskGroup() as requests:
-            while True:
-                # Poisson arrivals (exponential gaps), drawn from the cluster's own stream.
-                gap = -math.log(1.0 - rng.random()) / self.scenario.rate_per_s
-                await asyncio.sleep(gap)
-                log.sent += 1
-                requests.create_task(self._request(cluster, log))
+        await asyncio.sleep(start + TRAFFIC_AFTER_S)
+
+        def request() -> Coroutine[Any, Any, None]:
+            log.sent += 1
+            return self._request(cluster, log)
+
+        await poisson_traffic(rng, self.scenario.rate_per_s, request)
 
     async def _request(self, cluster: str, log: RequestLog) -> None:
         request = UpstreamRequest(
