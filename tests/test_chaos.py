@@ -1,8 +1,10 @@
-"""`gpumesh chaos` without a stack: command lines, the victims' draw, the plan and the keeper.
+"""`gpumesh chaos` without a stack: command lines, the victims' draw, the plan, the keeper, and
+a run against a stand-in bus and gateway whose tasks crash.
 The run against a real stack is tests/integration/test_chaos.py."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -13,13 +15,22 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from gpumesh import chaos
-from gpumesh.chaos import Found, Proc
+from events.contract import subjects
+from events.contract.messages import ApiReply
+from gpumesh.chaos import kinds, procfs, run as chaos_run
+from gpumesh.chaos.cli import render_real
+from gpumesh.chaos.gateway import failure_kind
+from gpumesh.chaos.plan import plan
+from gpumesh.chaos.procfs import Found, Proc
+from gpumesh.chaos.stack import Stack
 from gpumesh.cli import main
+from runtime.env import Msg
 from sim.run import RunResult, run_scenario
 from sim.scenario import FAULT_KINDS, from_mapping
+from wire.nats_bus import NatsBus
 
 AGENT = (
     "/venv/bin/python", "-m", "gpumesh", "agent", "--nats", "nats://127.0.0.1:4222",
@@ -28,38 +39,38 @@ AGENT = (
 
 
 def test_command_lines_are_read_as_the_cli_parses_them() -> None:
-    assert chaos.gpumesh_args(AGENT) == list(AGENT[3:])
-    assert chaos.gpumesh_args(("/venv/bin/gpumesh", "--data-dir", "d", "up")) == [
+    assert procfs.gpumesh_args(AGENT) == list(AGENT[3:])
+    assert procfs.gpumesh_args(("/venv/bin/gpumesh", "--data-dir", "d", "up")) == [
         "--data-dir",
         "d",
         "up",
     ]
-    assert chaos.gpumesh_args(("python", "-m", "gpumesh.keeper", "1")) is None
-    assert chaos.gpumesh_args(("nats-server", "-js")) is None
-    assert chaos.subcommand(["--data-dir", "agent", "controller"]) == "controller"
-    assert chaos.subcommand(["--log-format=json", "agent", "fault"]) == "agent"
+    assert procfs.gpumesh_args(("python", "-m", "gpumesh.keeper", "1")) is None
+    assert procfs.gpumesh_args(("nats-server", "-js")) is None
+    assert procfs.subcommand(["--data-dir", "agent", "controller"]) == "controller"
+    assert procfs.subcommand(["--log-format=json", "agent", "fault"]) == "agent"
     args = list(AGENT[3:])
-    assert chaos.flag(args, "--node-id") == "node-3"
-    assert chaos.flag(["--node-id=node-9"], "--node-id") == "node-9"
-    assert chaos.flag(args, "--region") is None
-    joined = chaos.with_flag(AGENT, "--node-id", "node-7")
-    assert chaos.flag(joined, "--node-id") == "node-7" and len(joined) == len(AGENT)
+    assert procfs.flag(args, "--node-id") == "node-3"
+    assert procfs.flag(["--node-id=node-9"], "--node-id") == "node-9"
+    assert procfs.flag(args, "--region") is None
+    joined = procfs.with_flag(AGENT, "--node-id", "node-7")
+    assert procfs.flag(joined, "--node-id") == "node-7" and len(joined) == len(AGENT)
     proc = Proc(pid=1, argv=AGENT, cwd="/")
-    assert chaos.data_dir_of(proc) == Path("/tmp/d").resolve()
-    assert chaos._ours(proc, Path("/elsewhere"), "nats://127.0.0.1:4222/")
-    assert not chaos._ours(proc, Path("/tmp/d"), "nats://127.0.0.1:9999")
+    assert procfs.data_dir_of(proc) == Path("/tmp/d").resolve()
+    assert procfs.ours(proc, Path("/elsewhere"), "nats://127.0.0.1:4222/")
+    assert not procfs.ours(proc, Path("/tmp/d"), "nats://127.0.0.1:9999")
 
 
 def test_failed_requests_are_named_as_the_simulator_names_them() -> None:
     def error(code: str) -> bytes:
         return json.dumps({"error": {"message": "m", "type": "t", "code": code}}).encode()
 
-    assert chaos.failure_kind(503, error("no_ready_replica")) == "NoReadyReplica"
-    assert chaos.failure_kind(404, error("model_not_found")) == "UnknownCluster"
-    assert chaos.failure_kind(504, error("first_byte_timeout")) == "AttemptsExhausted"
-    assert chaos.failure_kind(502, b"not json") == "AttemptsExhausted"
-    assert chaos.failure_kind(429, error("rate_limited")) == "http_429_rate_limited"
-    assert chaos.failure_kind(500, b"") == "http_500"
+    assert failure_kind(503, error("no_ready_replica")) == "NoReadyReplica"
+    assert failure_kind(404, error("model_not_found")) == "UnknownCluster"
+    assert failure_kind(504, error("first_byte_timeout")) == "AttemptsExhausted"
+    assert failure_kind(502, b"not json") == "AttemptsExhausted"
+    assert failure_kind(429, error("rate_limited")) == "http_429_rate_limited"
+    assert failure_kind(500, b"") == "http_500"
 
 
 def test_a_seed_picks_the_simulators_victims() -> None:
@@ -89,7 +100,7 @@ def test_a_seed_picks_the_simulators_victims() -> None:
         ]
         planned = [
             (step["kind"], victim)
-            for step in chaos.plan(scenario, seed, Found(agents=agents))
+            for step in plan(scenario, seed, Found(agents=agents))
             for victim in step["victims"]
         ]
         assert planned == simulated, seed
@@ -108,14 +119,14 @@ def test_the_plan_says_what_each_kind_does_here() -> None:
         }
     )
     up = Proc(pid=10, argv=("python", "-m", "gpumesh", "up"))
-    steps = chaos.plan(scenario, 1, Found(up=up), speed=2.0)
+    steps = plan(scenario, 1, Found(up=up), speed=2.0)
     assert [s["action"] for s in steps] == [
-        chaos.IN_UP,
-        chaos.NETWORK_ONLY,
+        kinds.IN_UP,
+        kinds.NETWORK_ONLY,
         "skipped: no nats-server of this stack on this machine",
     ]
     assert steps[0]["at_s"] == 0.5 and steps[0]["duration_s"] == 2.5
-    assert set(chaos.KIND_ACTIONS) == set(FAULT_KINDS)
+    assert set(kinds.KIND_ACTIONS) == set(FAULT_KINDS)
 
 
 def test_the_summary_says_wall_seconds() -> None:
@@ -124,7 +135,7 @@ def test_the_summary_says_wall_seconds() -> None:
         availability={}, requests_failed=0, detection={}, replacement={}, violations=[],
         timeline=["    3.000  fault  power_loss node-1"],
     )  # fmt: skip
-    text = chaos.render_real(result)
+    text = render_real(result)
     assert "timeline (wall seconds since the start)" in text
     assert "summary (20 s on the real stack, 3 events" in text
     assert "virtual" not in text and "simulated" not in text
@@ -151,7 +162,7 @@ def test_the_keeper_stops_its_command_when_the_owner_is_gone(tmp_path: Path) -> 
     pid_file = tmp_path / "pid"
     keeper = subprocess.Popen(
         [sys.executable, "-m", "gpumesh.keeper", str(owner.pid),
-         chaos.start_time(owner.pid), "--", "sh", "-c", f"echo $$ > {pid_file}; exec sleep 60"],
+         procfs.start_time(owner.pid), "--", "sh", "-c", f"echo $$ > {pid_file}; exec sleep 60"],
         start_new_session=True,
     )  # fmt: skip
     try:
@@ -161,11 +172,11 @@ def test_the_keeper_stops_its_command_when_the_owner_is_gone(tmp_path: Path) -> 
             assert time.monotonic() < deadline
             time.sleep(0.05)
         command = int(pid_file.read_text())
-        assert chaos.alive(command)
+        assert procfs.alive(command)
         owner.kill()
         owner.wait()
         deadline = time.monotonic() + 10
-        while chaos.alive(command):
+        while procfs.alive(command):
             assert time.monotonic() < deadline, "the keeper did not stop its command"
             time.sleep(0.05)
     finally:
@@ -173,3 +184,121 @@ def test_the_keeper_stops_its_command_when_the_owner_is_gone(tmp_path: Path) -> 
         owner.wait()
         with contextlib.suppress(ProcessLookupError):
             os.killpg(keeper.pid, signal.SIGKILL)
+
+
+# -- a task of the run that crashes fails the run ------------------------------------------------
+
+
+class QuietStack:
+    """The control API of an empty stack: an empty log, and every cluster.create accepted."""
+
+    async def request(
+        self, subject: str, data: bytes, *, timeout: float, headers: dict[str, str] | None = None
+    ) -> Msg:
+        page = {"events": [], "next": 0, "head": 0}
+        reply = ApiReply(ok=True, data=page if subject == subjects.api("events.list") else None)
+        return Msg(subject=subject, data=msgspec.json.encode(reply))
+
+    async def close(self) -> None:
+        return None
+
+
+class BrokenGateway:
+    """A client whose requests hit a bug: what a crashed traffic coroutine looks like."""
+
+    async def check(self) -> None:
+        return None
+
+    async def send(self, cluster: str) -> str:
+        raise RuntimeError(f"boom in {cluster}")
+
+    async def close(self) -> None:
+        return None
+
+
+LONG = """
+name = "crashing"
+duration_s = 120
+settle_s = 60
+
+[[clusters]]
+name = "echo"
+replicas = 1
+
+[traffic]
+rate_per_s = 50
+"""
+
+
+def test_a_crashed_traffic_task_fails_the_run_with_its_cause(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def connect(*args: object, **kwargs: object) -> QuietStack:
+        return QuietStack()
+
+    monkeypatch.setattr(NatsBus, "connect", connect)
+    monkeypatch.setattr(chaos_run, "GatewayClient", lambda gateway, key: BrokenGateway())
+    scenario = tmp_path / "crashing.toml"
+    scenario.write_text(LONG)
+    here = ["--data-dir", str(tmp_path), "--nats", "nats://127.0.0.1:1"]
+    code = main(["chaos", str(scenario), *here, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 1, err
+    result = json.loads(out)
+    assert result["crashed"] == [
+        {"task": "chaos:traffic:echo", "error": "RuntimeError: boom in echo"}
+    ]
+    assert result["duration_s"] < 60, "the crash ended the run at once"
+    timeline = "\n".join(result["timeline"])
+    assert "FAILED chaos:traffic:echo: RuntimeError: boom in echo" in timeline
+    assert "liveness not judged: the run failed" in timeline
+    assert "Traceback" in err and "boom in echo" in err  # where it was raised, on stderr
+
+    code = main(["chaos", str(scenario), *here])
+    out, _ = capsys.readouterr()
+    assert code == 1
+    assert (
+        "run FAILED: 1 of its tasks raised\n    chaos:traffic:echo: RuntimeError: boom in echo"
+        in (out)
+    )
+
+
+async def join_breaks(self: Stack, known: object) -> None:
+    raise ValueError("no node name left")
+
+
+def controller_breaks(self: Stack) -> None:
+    raise KeyError("controller")
+
+
+@pytest.mark.parametrize(
+    ("fault", "patch", "task", "error"),
+    [
+        ({"kind": "churn", "period_s": 1}, ("join", join_breaks), "chaos:churn",
+         "ValueError: no node name left"),
+        ({"kind": "controller_crash"}, ("controller", controller_breaks), "chaos:faults",
+         "KeyError: 'controller'"),
+    ],
+)  # fmt: skip
+async def test_a_crashed_fault_fails_the_run_with_its_cause(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: dict[str, object],
+    patch: tuple[str, object],
+    task: str,
+    error: str,
+) -> None:
+    monkeypatch.setattr(Stack, *patch)
+    scenario = from_mapping(
+        {"name": "f", "duration_s": 60, "settle_s": 60, "faults": [{"at_s": 0.5, **fault}]}
+    )
+    run = chaos_run.ChaosRun(
+        scenario, 1, bus=QuietStack(), nats_url="nats://127.0.0.1:1", data_dir=tmp_path,
+        gateway="http://gateway.invalid", client=BrokenGateway(),
+    )  # fmt: skip
+    await run.prepare()
+    await asyncio.wait_for(run.run(), timeout=30)
+    result = run.result()
+    assert not result.ok
+    assert result.crashed == [{"task": task, "error": error}]
+    assert result.violations == []  # the run failed; the stack broke no invariant

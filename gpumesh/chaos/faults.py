@@ -1,0 +1,256 @@
+"""A scenario's faults applied to the real stack at their wall times, and undone.
+
+When each fault starts and each of its effects ends is the simulator's own FaultTimeline
+(sim/timeline.py), walked in the scenario's seconds and slept on in wall seconds (divided by
+--speed), so an end and a fault the scenario puts at one instant come in the simulator's order
+whatever the wall clock's drift. What each kind does here is KIND_ACTIONS (gpumesh/chaos/kinds.py).
+
+The faults that keep working after they start (flap, crash_loop, churn) are tasks of the run's
+TaskGroup: one that fails fails the run, with its error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from events.contract.messages import Fault
+from sim.scenario import FaultPlan
+from sim.timeline import End, FaultTimeline
+
+from .kinds import CRASH_LOOP_EVERY_S, NETWORK_ONLY
+from .procfs import Proc, kill_workload, workloads_of
+from .stack import SPAWN_ERRORS, NodeState, draw
+
+if TYPE_CHECKING:
+    from .run import ChaosRun
+
+Undo = Callable[[], Awaitable[None]]
+
+
+class RealFaults:
+    def __init__(self, run: ChaosRun) -> None:
+        self.run = run
+        self.stack = run.stack
+        self.rng = run.derive("faults")
+        self.timeline: FaultTimeline[Undo] = FaultTimeline()
+        self._background: list[asyncio.Task[None]] = []
+
+    async def play(self, faults: Sequence[FaultPlan], *, until: float) -> None:
+        """Apply `faults` and end their effects on schedule, up to `until` (the scenario's
+        seconds); a fault that cannot be applied is noted and the run goes on."""
+        run = self.run
+        for step in self.timeline.steps(faults, until=until):
+            await run.sleep_until(run.at(step.at))
+            if isinstance(step, End):
+                await self._end(step.what, step.undo)
+                continue
+            try:
+                await self._apply(step.fault)
+            except SPAWN_ERRORS as exc:  # a run goes on, and still prints its summary
+                run.note(f"fault  {step.fault.kind} FAILED: {exc}")
+        await run.sleep_until(run.at(until))
+
+    async def end_all(self) -> None:
+        """The faults stop: end everything still in effect (liveness is judged after this)."""
+        await self._stop_background()
+        for end in self.timeline.cut():
+            await self._end(end.what, end.undo)
+
+    def abandon(self) -> None:
+        """Forget the ends still due: Stack.restore undoes everything at once."""
+        self.timeline.cut()
+
+    async def _end(self, what: str, undo: Undo) -> None:
+        self.run.note(f"end    {what}")
+        try:
+            await undo()
+        except SPAWN_ERRORS as exc:  # restore() tries again at the end of the run
+            self.run.note(f"end    {what} FAILED: {exc}")
+
+    def _later(self, fault: FaultPlan, what: str, undo: Undo) -> None:
+        # From the fault's planned time, as on virtual time (see the module's docstring).
+        self.timeline.ends_after(fault, fault.at_s, what, undo)
+
+    def _keep_going(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = self.run.spawn(work, name)
+        self._background.append(task)
+        return task
+
+    async def _stop_background(self) -> None:
+        for task in self._background:
+            task.cancel()
+        if self._background:
+            # They are the TaskGroup's: one that failed has failed the run already.
+            await asyncio.wait(self._background)
+        self._background.clear()
+
+    def victims(self, fault: FaultPlan) -> list[NodeState]:
+        return draw(self.stack.nodes, fault.nodes, self.rng)
+
+    # -- each kind -----------------------------------------------------------------------------
+
+    async def _apply(self, fault: FaultPlan) -> None:
+        run = self.run
+        # The checker snapshots the victims' replicas: let it see the log as it is now.
+        await run.catch_up_quietly(timeout=1.0)
+        kind = fault.kind
+        if kind == "controller_crash":
+            self._controller_crash(fault)
+        elif kind == "nats_outage":
+            self._nats_outage(fault)
+        elif kind == "churn":
+            self._keep_going(self._churn(fault), "chaos:churn")
+            run.note(f"fault  churn ({fault.count} nodes every {fault.period_s:g} s)")
+        else:
+            for node in self.victims(fault):
+                await self._node_fault(fault, node, f"{kind} {node.node_id}")
+
+    async def _node_fault(self, fault: FaultPlan, node: NodeState, what: str) -> None:
+        kind = fault.kind
+        if kind in ("one_way_partition", "slow"):
+            self.run.note(f"skip   {what}: {NETWORK_ONLY}")
+            return
+        if kind in ("thermal", "ecc", "driver"):
+            await self._gpu_fault(fault, kind, node, what)
+            return
+        agent = self.stack.agent(node) if node.powered else None
+        if agent is None:
+            self.run.note(f"skip   {what}: no agent process of {node.node_id} is running")
+            return
+        self.run.struck(kind, node)
+        if kind == "power_loss":
+            self._power_loss(fault, node, agent, what)
+        elif kind in ("hang", "partition"):
+            self._freeze(fault, node, agent, what)
+        elif kind == "flap":
+            self.run.note(f"fault  {what}: SIGSTOP/SIGCONT every {self.run.at(fault.period_s):g} s")
+            self._keep_going(self._flap(fault, agent), f"chaos:{what}")
+        elif kind == "crash_loop":
+            self.run.note(f"fault  {what}: SIGKILL its workloads every {CRASH_LOOP_EVERY_S:g} s")
+            task = self._keep_going(self._crash_loop(agent), f"chaos:{what}")
+
+            async def cured() -> None:
+                task.cancel()
+                await asyncio.wait([task])
+
+            self._later(fault, what, cured)
+
+    async def _gpu_fault(
+        self,
+        fault: FaultPlan,
+        kind: Literal["thermal", "ecc", "driver"],
+        node: NodeState,
+        what: str,
+    ) -> None:
+        value = fault.value if kind == "thermal" else 1.0
+        at = self.run.stamp()
+        error = await self.stack.gpu_fault(node, Fault(kind=kind, value=value))
+        if error:
+            self.run.note(f"skip   {what}: {error}")
+            return
+        self.run.struck(kind, node, at)
+        node.gpu_fault = True
+        shown = f" {value:g}" if kind == "thermal" else ""
+        self.run.note(f"fault  {what}: fake GPUs {kind}{shown}")
+
+        async def clear() -> None:
+            if not await self.stack.gpu_fault(node, Fault(kind="clear")):
+                node.gpu_fault = False
+
+        self._later(fault, what, clear)
+
+    def _power_loss(self, fault: FaultPlan, node: NodeState, agent: Proc, what: str) -> None:
+        killed = self.stack.power_off(node, agent)
+        self.run.note(f"fault  {what}: SIGKILL agent {agent.pid} and {killed} workload(s)")
+
+        async def power_on() -> None:
+            await self.stack.power_on(node)
+
+        self._later(fault, what, power_on)
+
+    def _freeze(self, fault: FaultPlan, node: NodeState, agent: Proc, what: str) -> None:
+        """hang: the agent alone; partition: the agent and its workloads (nothing answers)."""
+        stack = self.stack
+        if fault.kind == "hang":
+            node.hung = True
+            frozen = [agent.pid]
+            self.run.note(f"fault  {what}: SIGSTOP agent {agent.pid}")
+        else:
+            frozen = [agent.pid, *workloads_of(agent.pid)]
+            self.run.note(
+                f"fault  {what}: SIGSTOP agent {agent.pid} and {len(frozen) - 1} workload(s)"
+            )
+        stack.stop(frozen)
+
+        async def thaw() -> None:
+            if fault.kind == "hang":
+                node.hung = False
+            stack.cont(frozen)
+
+        self._later(fault, what, thaw)
+
+    async def _flap(self, fault: FaultPlan, agent: Proc) -> None:
+        run = self.run
+        end = run.now() + run.at(fault.duration_s or 60.0)
+        period = run.at(fault.period_s)
+        while run.now() < end:
+            frozen = [agent.pid, *workloads_of(agent.pid)]
+            self.stack.stop(frozen)
+            try:
+                await asyncio.sleep(period)
+            finally:
+                self.stack.cont(frozen)
+            await asyncio.sleep(period)
+
+    async def _crash_loop(self, agent: Proc) -> None:
+        while True:
+            for pid in workloads_of(agent.pid):
+                kill_workload(pid)
+            await asyncio.sleep(CRASH_LOOP_EVERY_S)
+
+    async def _churn(self, fault: FaultPlan) -> None:
+        run = self.run
+        end = run.now() + run.at(fault.duration_s or 60.0)
+        while run.now() < end:
+            leaving = FaultPlan(at_s=0.0, kind="power_loss", nodes=str(fault.count))
+            for node in self.victims(leaving):
+                agent = self.stack.agent(node)
+                run.note(f"churn  {node.node_id} leaves")
+                run.struck("churn", node)
+                if agent is not None:
+                    self.stack.power_off(node, agent)
+            for _ in range(fault.count):
+                joined = await self.stack.join(run.checker.state.nodes.nodes)
+                if joined is None:
+                    run.note("churn  no agent to copy: nobody joins")
+                else:
+                    run.note(f"churn  {joined.node_id} joins")
+            await asyncio.sleep(run.at(fault.period_s))
+
+    def _controller_crash(self, fault: FaultPlan) -> None:
+        ctl, why = self.stack.controller()
+        if ctl is None:
+            self.run.note(f"skip   controller_crash: {why}")
+            return
+        self.stack.kill_controller(ctl)
+        self.run.note(f"fault  controller_crash: SIGKILL controller {ctl.pid}")
+
+        async def restart() -> None:
+            await self.stack.restart_controller()
+
+        self._later(fault, "controller_crash (restarted)", restart)
+
+    def _nats_outage(self, fault: FaultPlan) -> None:
+        server = self.stack.nats_server()
+        if server is None:
+            self.run.note("skip   nats_outage: no nats-server of this stack on this machine")
+            return
+        self.stack.stop([server.pid])
+        self.run.note(f"fault  nats_outage: SIGSTOP nats-server {server.pid}")
+
+        async def back() -> None:
+            self.stack.cont([server.pid])
+
+        self._later(fault, "nats_outage", back)
