@@ -34,8 +34,7 @@ class MemoryEventStore:
     async def append_many(
         self, appends: Sequence[tuple[str, Sequence[NewEvent], int]]
     ) -> list[list[int] | EventStoreError]:
-        if self._closed:
-            raise StoreClosed()
+        self._check_open()
         results: list[list[int] | EventStoreError] = []
         for stream, events, expected_version in appends:
             try:
@@ -48,8 +47,7 @@ class MemoryEventStore:
         self, stream: str, events: Sequence[NewEvent], expected_version: int
     ) -> list[int]:
         """The synchronous core of append, for callers that cannot await (sim internals)."""
-        if self._closed:
-            raise StoreClosed()
+        self._check_open()
         check_batch(stream, events, expected_version)
         if not events:
             return []
@@ -96,21 +94,31 @@ class MemoryEventStore:
         first = next(e.event_id for e, f in zip(events, found, strict=True) if f is not None)
         raise DuplicateEventId(first)
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed()
+
     async def read_stream(self, stream: str, from_version: int = 1) -> list[Envelope]:
+        self._check_open()
         history = self._streams.get(stream, [])
         return [e for e in history if e.version >= from_version]
 
     async def stream_version(self, stream: str) -> int:
+        self._check_open()
         history = self._streams.get(stream)
         return history[-1].version if history else 0
 
     async def read_all(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
-        if self._closed:
-            raise StoreClosed()
+        self._check_open()
+        if limit < 1:
+            return []
         start = bisect.bisect_left(self._positions, from_position)
         return self._log[start : start + limit]
 
     async def read_for_rebuild(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
+        self._check_open()
+        if limit < 1:
+            return []
         latest: dict[str, int] = {}
         for envelope in self._log:
             if envelope.type == HEARTBEAT_TYPE:
@@ -136,9 +144,11 @@ class MemoryEventStore:
         return follow_batches(self.read_all, self._signal, from_position)
 
     async def head(self) -> int:
+        self._check_open()
         return self._positions[-1] if self._positions else 0
 
     async def compact_heartbeats(self, older_than_ns: int) -> int:
+        self._check_open()
         latest: dict[str, int] = {}
         for envelope in self._log:
             if envelope.type == HEARTBEAT_TYPE:
@@ -164,9 +174,11 @@ class MemoryEventStore:
         return len(removed)
 
     async def save_snapshot(self, snapshot: Snapshot) -> None:
+        self._check_open()
         self._snapshots[snapshot.stream] = snapshot
 
     async def load_snapshot(self, stream: str) -> Snapshot | None:
+        self._check_open()
         return self._snapshots.get(stream)
 
     async def close(self) -> None:
