@@ -1,9 +1,9 @@
 """Processes that bench/gateway.py starts around the proxy under test (not a benchmark itself).
 
     python bench/_upstream.py serve --port P --id u1 [--chunks 20] [--chunk-delay-ms 5]
-        A fake OpenAI-compatible replica (aiohttp, access log off), as in the peers' measurements
-        (shared notes, peers-measured.md section 2): POST /v1/chat/completions parses the JSON
-        body and answers a fixed 317-byte chat.completion, or with `"stream": true` 20 SSE
+        A fake OpenAI-compatible replica (aiohttp, access log off), the same as in the peers'
+        measurements that docs/performance.md compares with: POST /v1/chat/completions parses
+        the JSON body and answers a fixed 317-byte chat.completion, or with `"stream": true` 20 SSE
         chunks `--chunk-delay-ms` apart and `data: [DONE]`. `--chunks 0` streams forever, one
         chunk every `--chunk-delay-ms`, until the client goes away (the many-streams check).
         Also GET /health and GET /v1/models.

@@ -1,6 +1,6 @@
 """The durable event store: one SQLite file in WAL mode, written by one group-committing writer.
 
-Design (shared notes, sections 1.9 and 3.3-3.5):
+Design (the figures behind it: docs/performance.md, Event store):
 
 - Exactly one writer connection, living in its own single-thread executor. `append()` only
   queues work; a dispatcher on the event loop hands up to `max_batch` queued appends at a time
