@@ -18,7 +18,7 @@ from runtime.env import Bus
 from .auth import KeyRing
 from .control_routes import control_app
 from .metrics import CONTENT_TYPE, Registry
-from .proxy import Proxy, openai_error
+from .proxy import OPENAI_PATHS, Proxy, openai_error
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -34,9 +34,8 @@ def build_app(
     request_body_timeout_s: float = 30.0,
 ) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_errors(max_body_bytes)])
-    app.router.add_post("/v1/chat/completions", proxy.openai)
-    app.router.add_post("/v1/completions", proxy.openai)
-    app.router.add_post("/v1/embeddings", proxy.openai)
+    for path in OPENAI_PATHS:
+        app.router.add_post(path, proxy.openai)
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_route("*", "/c/{cluster}/{tail:.*}", proxy.passthrough)
     app.router.add_route("*", "/c/{cluster}", proxy.passthrough)

@@ -15,7 +15,7 @@ from runtime.env import Clock, RandomSource
 
 from .retry import RetryPolicy
 from .router import Ejection, Router
-from .transport.base import FirstByteTimeout, UpstreamError
+from .transport.base import BrokenWhileHeld, FirstByteTimeout, Outcome, UpstreamError
 
 T = TypeVar("T")
 
@@ -25,28 +25,84 @@ RETRY_AFTER_MIN_S = 1.0
 RETRY_AFTER_MAX_S = 5.0
 
 
-class NoReadyReplica(Exception):
+class DispatchError(Exception):
+    """Why a request gets no answer from a replica, as its client is to be told.
+
+    `status`, `code` and `message` are the reply (OpenAI's error shape; docs/gateway.md,
+    "Status codes of the inference routes") and `retry_after_s`, when set, its Retry-After.
+    Two things only the request knows are added where the error becomes a reply
+    (gateway/proxy.py, `refuse`): the models its key may see, when `lists_known`, and why it
+    was not repeated, when `not_repeated`. Each kind keeps what it reports in fields of its
+    own; str() is the line for a log.
+
+    Raised from inside an attempt (by the caller's `attempt` or `settle`), it ends the request
+    there, and `outcome` says how that attempt counts against its replica.
+    """
+
+    retry_after_s: float | None = None
+    lists_known = False
+    not_repeated = False
+    outcome: Outcome = "cancelled"
+
+    def __init__(self, status: int, code: str, message: str, log: str = "") -> None:
+        super().__init__(log or message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class UnknownCluster(DispatchError):
+    """No live cluster has this name (or none this caller may know of: `lists_known` False)."""
+
+    def __init__(self, cluster: str, *, lists_known: bool = True) -> None:
+        message = f"The model `{cluster}` does not exist"
+        super().__init__(404, "model_not_found", message, f"unknown cluster {cluster}")
+        self.cluster = cluster
+        self.lists_known = lists_known
+
+
+class NoReadyReplica(DispatchError):
     """The request waited queue_timeout_s and the cluster still has no replica to try."""
 
+    retry_after_s: float  # always: drawn, so that clients told to come back spread out
+
     def __init__(self, cluster: str, waited_s: float, retry_after_s: float) -> None:
-        super().__init__(f"cluster {cluster}: no ready replica after {waited_s:.1f} s")
+        super().__init__(
+            503,
+            "no_ready_replica",
+            f"cluster {cluster!r} has no ready replica",
+            f"cluster {cluster}: no ready replica after {waited_s:.1f} s",
+        )
         self.cluster = cluster
+        self.waited_s = waited_s
         self.retry_after_s = retry_after_s
 
 
-class UnknownCluster(Exception):
-    def __init__(self, cluster: str) -> None:
-        super().__init__(f"unknown cluster {cluster}")
-        self.cluster = cluster
+class AttemptsExhausted(DispatchError):
+    """Every attempt failed before an answer could begin; `last` says how the last one did.
 
+    502, with `last`'s outcome as the code; 504 if it timed out. A body that broke while held
+    back (BrokenWhileHeld) is a `reset`: the client never saw it begin."""
 
-class AttemptsExhausted(Exception):
-    """Every attempt failed before a response head; `last` says how the last one did."""
-
-    def __init__(self, last: UpstreamError, attempts: int) -> None:
-        super().__init__(f"{attempts} attempt(s) failed, last: {last} ({last.outcome})")
+    def __init__(
+        self, last: UpstreamError, attempts: int, cluster: str = "", *, repeatable: bool = True
+    ) -> None:
+        if not isinstance(last, BrokenWhileHeld):
+            code = last.outcome
+            message = (
+                f"no replica of {cluster!r} answered after {attempts} attempt(s); last: {last}"
+            )
+        elif repeatable:
+            code, message = "reset", f"every answer broke off before its end; last: {last}"
+        else:
+            code, message = "reset", f"the answer broke off before its end ({last})"
+        status = 504 if isinstance(last, FirstByteTimeout) else 502
+        log = f"{attempts} attempt(s) failed, last: {last} ({last.outcome})"
+        super().__init__(status, code, message, log)
         self.last = last
         self.attempts = attempts
+        self.cluster = cluster
+        self.not_repeated = not repeatable and not last.never_delivered
 
 
 def _ignore(_ejection: Ejection) -> None:
@@ -67,7 +123,7 @@ class Dispatcher:
         self._clock = clock
         self._rng = rng
         # Public: the caller reports the ejections its own finished(route, ...) calls cause
-        # (a body that broke), through the same hook.
+        # (an answer that broke off on its way to the client), through the same hook.
         self.on_ejection = on_ejection
         # Replaced on every notify(): a waiter holds the event current when it last looked at
         # the table, so a change between its look and its wait still wakes it.
@@ -85,10 +141,16 @@ class Dispatcher:
         *,
         key: str = "",
         repeatable: bool = True,
+        settle: Callable[[RouteEntry, T], Awaitable[None]] | None = None,
     ) -> tuple[RouteEntry, T]:
         """The route that answered and what `attempt` returned for it. A request that is not
         `repeatable` is tried again only after a failure that proves it never reached a
         replica (RetryPolicy.retryable).
+
+        `settle`, if given, runs once `attempt` has returned, outside its first-byte timeout:
+        what must still succeed before the caller passes the answer on (the proxy reads a
+        non-streaming body whole). An UpstreamError from it is an attempt's failure like any
+        other: it counts against the route and is retried on the policy's terms.
 
         The request stays outstanding on that route: the caller calls
         `router.finished(route, ...)` once the body is done, with "ok", "stream_broken" or
@@ -110,12 +172,14 @@ class Dispatcher:
                 # The wait for a replica used up the deadline: not the replica's fault, so no
                 # attempt that would be bound to time out against it.
                 if last is not None:
-                    raise AttemptsExhausted(last, attempts) from last
+                    raise AttemptsExhausted(
+                        last, attempts, cluster, repeatable=repeatable
+                    ) from last
                 raise self._no_ready_replica(cluster, arrival)
             first_byte_timeout = min(self.policy.first_byte_timeout_s, left)
             attempts += 1
             try:
-                return route, await self._attempt(route, attempt, first_byte_timeout)
+                return route, await self._attempt(route, attempt, settle, first_byte_timeout)
             except UpstreamError as exc:
                 failure = last = exc
             if route not in tried:
@@ -126,13 +190,16 @@ class Dispatcher:
                 or attempts >= self.policy.max_attempts
                 or self._clock.monotonic() + delay >= deadline
             ):
-                raise AttemptsExhausted(failure, attempts) from failure
+                raise AttemptsExhausted(
+                    failure, attempts, cluster, repeatable=repeatable
+                ) from failure
             await asyncio.sleep(delay)
 
     async def _attempt(
         self,
         route: RouteEntry,
         attempt: Callable[[RouteEntry, float], Awaitable[T]],
+        settle: Callable[[RouteEntry, T], Awaitable[None]] | None,
         first_byte_timeout: float,
     ) -> T:
         self.router.started(route)
@@ -142,14 +209,17 @@ class Dispatcher:
             guard = asyncio.timeout(first_byte_timeout)
             try:
                 async with guard:
-                    return await attempt(route, first_byte_timeout)
+                    result = await attempt(route, first_byte_timeout)
             except TimeoutError:
                 if not guard.expired():
                     raise
                 raise FirstByteTimeout(
                     route.replica_id, f"no response head within {first_byte_timeout:g} s"
                 ) from None
-        except UpstreamError as exc:
+            if settle is not None:
+                await settle(route, result)
+            return result
+        except (UpstreamError, DispatchError) as exc:
             ejection = self.router.finished(route, exc.outcome)
             if ejection is not None:
                 self.on_ejection(ejection)

@@ -27,10 +27,10 @@ from wire.http1 import (
     parse_request_head,
 )
 
-from .proxy import Proxy, send_error, split_passthrough
+from .proxy import OPENAI_PATHS, Proxy, send_error, split_passthrough
 from .reply import FlowControlled, Headers
 
-_OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+_OPENAI_PATHS = frozenset(OPENAI_PATHS)
 # HEAD and the rest go to aiohttp: an answer without a body is its business.
 _PASSTHROUGH_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # Requests a client sends ahead of its answer (pipelining) are held up to this; then reading

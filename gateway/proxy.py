@@ -1,9 +1,11 @@
 """The inference data path: pick a ready replica, send, retry around failures, stream back.
 
 Which replica, whether to retry and when to eject are decided by gateway/dispatch.py and
-gateway/router.py, which know nothing of HTTP; this module only turns HTTP into attempts and
-attempts back into HTTP. Until the client has seen a byte, every failure is retried elsewhere;
-after that, a streamed answer that breaks ends with an explicit SSE error event.
+gateway/router.py, which know nothing of HTTP but the status each way of failing earns; this
+module only turns HTTP into attempts and attempts back into HTTP. Until the client has seen a
+byte, every failure is retried elsewhere; after that, a streamed answer that breaks ends with
+an explicit SSE error event. A request that gets no answer ends in a DispatchError, and
+`refuse` is the one place where one becomes a reply.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import asyncio
 import contextlib
 import itertools
 import math
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
 import msgspec
@@ -24,20 +26,21 @@ from events.contract.tunnel import HOP_BY_HOP
 
 from .access_log import AccessLog, StructlogAccessLog
 from .auth import ANONYMOUS, KeyRing, Tenant
-from .dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
+from .dispatch import Dispatcher, DispatchError, UnknownCluster
 from .instruments import Instruments
 from .reply import (
     JSON_HEADERS,
     AiohttpInbound,
     AiohttpSink,
     FlowControlled,
+    Headers,
     Inbound,
     Sink,
     error_body,
 )
 from .router import Router
 from .transport.base import (
-    FirstByteTimeout,
+    BrokenWhileHeld,
     Outcome,
     ResetBeforeHead,
     StreamBroken,
@@ -50,6 +53,10 @@ from .transport.base import (
 from .transport.overlay import RequestTooLarge
 
 Affinity = Literal["off", "prefix", "user"]
+
+# The inference routes, routed by the body's `model`: served by the front (gateway/front.py)
+# and by the aiohttp application (gateway/app.py) alike.
+OPENAI_PATHS: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
 class _OpenAIBody(msgspec.Struct):
@@ -69,10 +76,6 @@ _JSON = msgspec.json.Encoder()
 _IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 # Client headers that stop at the gateway: its own credentials, and what each hop sets itself.
 _DROP = HOP_BY_HOP | {"authorization", "x-request-id", "accept-encoding"}
-
-
-class _TooLarge(Exception):
-    """The transport cannot carry this request to any replica (the overlay's size limit)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +181,7 @@ class Proxy:
     # serve_* methods are the routes themselves, for either server.
 
     async def openai(self, request: web.Request) -> web.StreamResponse:
-        """/v1/chat/completions, /v1/completions, /v1/embeddings: routed by `model`."""
+        """OPENAI_PATHS: routed by `model`."""
         inbound, sink = AiohttpInbound(request), AiohttpSink(request)
         if (tenant := self.admit(inbound, sink)) is None:
             return _answer(sink)
@@ -328,185 +331,68 @@ class Proxy:
         *,
         repeatable: bool,
     ) -> None:
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        request_id = inbound.header("x-request-id") or self.new_request_id()
-        headers = [(k, v) for k, v in inbound.header_items() if k.lower() not in _DROP]
-        headers.append(("X-Request-Id", request_id))
-        upstream = UpstreamRequest(
-            method=inbound.method,
-            path=path,
-            headers=headers,
-            body=body,
-            request_id=request_id,
-            first_byte_timeout=0.0,
-        )
-        attempts = 0
-        last_failure = ""
-
-        async def attempt(route: RouteEntry, first_byte_timeout: float) -> _Answer:
-            nonlocal attempts, last_failure
-            attempts += 1
-            if attempts > 1:
-                # No failure seen here means the dispatcher's own first-byte guard fired.
-                self.instruments.retry(label, last_failure or "first_byte_timeout")
-                last_failure = ""
-            try:
-                return await self._attempt(
-                    route, replace(upstream, first_byte_timeout=first_byte_timeout)
-                )
-            except RequestTooLarge as exc:
-                raise _TooLarge(str(exc)) from exc  # no replica can take it: not a retry
-            except UpstreamError as exc:
-                last_failure = exc.outcome
-                raise
-
-        status = 0
-        route: RouteEntry | None = None
-        label = cluster  # the metrics label: only names the routing table knows
+        """One request, start to end: its cluster resolved; the dispatcher's way to an answer,
+        every attempt and retry its own (each attempt is `request.attempt`, then
+        `request.settle`); the answer passed on. Or, if none came, the reply its
+        DispatchError earns (`refuse`). Counted and logged however it ends."""
+        request = _Exchange(self, inbound, sink, tenant, cluster, path, body)
         try:
-            if self.router.position == 0:
-                status = 503
-                send_error(
-                    sink,
-                    503,
-                    "the gateway has not received a routing table yet",
-                    "not_ready",
-                    request_id,
-                    **{"Retry-After": "1"},
-                )
-                return
-            cluster = self.router.resolve(cluster)
-            label = cluster if self.router.known(cluster) else "unknown"
-            if not tenant.reaches(cluster):
-                # Another tenant's cluster does not exist, as far as this key can tell.
-                label, status = "unknown", 404
-                send_error(
-                    sink,
-                    404,
-                    f"The model `{cluster}` does not exist",
-                    "model_not_found",
-                    request_id,
-                )
-                return
-            broken: StreamBroken | None = None
-            for _ in range(self.dispatcher.policy.max_attempts):
-                try:
-                    route, answer = await self.dispatcher.run(
-                        cluster, attempt, key=key, repeatable=repeatable
-                    )
-                except _TooLarge as exc:
-                    status = 413
-                    send_error(sink, 413, str(exc), "too_large", request_id)
-                    return
-                except UnknownCluster:
-                    models = self.router.models()
-                    reachable = [m for m in models if tenant.reaches(self.router.resolve(m))]
-                    known = ", ".join(reachable) or "none"
-                    status = 404
-                    send_error(
-                        sink,
-                        404,
-                        f"The model `{cluster}` does not exist (known: {known})",
-                        "model_not_found",
-                        request_id,
-                    )
-                    return
-                except NoReadyReplica as exc:
-                    status = 503
-                    send_error(
-                        sink,
-                        503,
-                        f"cluster {cluster!r} has no ready replica",
-                        "no_ready_replica",
-                        request_id,
-                        **{"Retry-After": str(max(1, math.ceil(exc.retry_after_s)))},
-                    )
-                    return
-                except AttemptsExhausted as exc:
-                    timed_out = isinstance(exc.last, FirstByteTimeout)
-                    status = 504 if timed_out else 502
-                    why = ""
-                    if not repeatable and not exc.last.never_delivered:
-                        why = "; " + _not_repeated(inbound.method)
-                    send_error(
-                        sink,
-                        status,
-                        f"no replica of {cluster!r} answered after {exc.attempts} "
-                        f"attempt(s); last: {exc.last}{why}",
-                        exc.last.outcome,
-                        request_id,
-                    )
-                    return
-                self.instruments.first_byte(label, loop.time() - started)
-                if not answer.event_stream and not answer.complete:
-                    try:
-                        await self._buffer(answer, started)
-                    except StreamBroken as exc:
-                        # Nothing reached the client yet: another replica can answer in full,
-                        # if the request may be repeated (this one reached a replica).
-                        broken = exc
-                        last_failure = exc.outcome
-                        self._finish(route, "stream_broken")
-                        if repeatable:
-                            continue
-                        status = 502
-                        send_error(
-                            sink,
-                            502,
-                            f"the answer broke off before its end ({exc}); "
-                            + _not_repeated(inbound.method),
-                            "reset",
-                            request_id,
-                        )
-                        return
-                    except TimeoutError:
-                        self._finish(route, "first_byte_timeout")
-                        await answer.response.aclose()
-                        status = 504
-                        send_error(
-                            sink,
-                            504,
-                            f"the answer was not complete within "
-                            f"{self.settings.body_timeout_s:g} s",
-                            "timeout",
-                            request_id,
-                        )
-                        return
-                status = answer.response.status
-                await self._respond(sink, label, route, answer, request_id)
-                return
-            status = 502
-            send_error(
-                sink,
-                502,
-                f"every answer broke off before its end; last: {broken}",
-                "reset",
-                request_id,
+            self._resolve(request)
+            route, answer = await self.dispatcher.run(
+                request.cluster,
+                request.attempt,
+                key=key,
+                repeatable=repeatable,
+                settle=request.settle,
             )
+            request.status = answer.response.status
+            await self._respond(request, route, answer)
+        except DispatchError as error:
+            request.status = error.status
+            refuse(sink, error, request.request_id, inbound.method, lambda: self._known_to(tenant))
         finally:
-            elapsed = loop.time() - started
-            self.instruments.request(label, status, elapsed)
-            if self.settings.access_log:
-                self.access_log.request(
-                    {
-                        "request_id": request_id,
-                        "method": inbound.method,
-                        "path": path,
-                        "cluster": cluster,
-                        "replica": route.replica_id if route else None,
-                        "status": status,
-                        "attempts": attempts,
-                        "duration_ms": round(elapsed * 1000, 2),
-                    }
-                )
+            self._record(request)
+
+    def _resolve(self, request: _Exchange) -> None:
+        """The request's cluster by its own name, and its metrics label; or the DispatchError
+        for a gateway without a table yet, or a cluster the caller may not reach."""
+        if self.router.position == 0:
+            raise NotReady()
+        cluster = request.cluster = self.router.resolve(request.cluster)
+        request.label = cluster if self.router.known(cluster) else "unknown"
+        if not request.tenant.reaches(cluster):
+            # Another tenant's cluster does not exist, as far as this key can tell.
+            request.label = "unknown"
+            raise UnknownCluster(cluster, lists_known=False)
+
+    def _known_to(self, tenant: Tenant) -> list[str]:
+        """The models this tenant may be told exist."""
+        return [m for m in self.router.models() if tenant.reaches(self.router.resolve(m))]
+
+    def _record(self, request: _Exchange) -> None:
+        elapsed = asyncio.get_running_loop().time() - request.started
+        self.instruments.request(request.label, request.status, elapsed)
+        if self.settings.access_log:
+            route = request.route
+            self.access_log.request(
+                {
+                    "request_id": request.request_id,
+                    "method": request.inbound.method,
+                    "path": request.path,
+                    "cluster": request.cluster,
+                    "replica": route.replica_id if route else None,
+                    "status": request.status,
+                    "attempts": request.attempts,
+                    "duration_ms": round(elapsed * 1000, 2),
+                }
+            )
 
     def _finish(self, route: RouteEntry, outcome: Outcome) -> None:
         ejection = self.router.finished(route, outcome)
         if ejection is not None:
             self.dispatcher.on_ejection(ejection)
 
-    async def _attempt(self, route: RouteEntry, upstream: UpstreamRequest) -> _Answer:
+    async def _open(self, route: RouteEntry, upstream: UpstreamRequest) -> _Answer:
         response = await self.transport.open(route, upstream)
         if response.status >= 500:
             await response.aclose()
@@ -552,89 +438,240 @@ class Proxy:
             raise
         answer.complete = True
 
-    async def _respond(
-        self,
-        sink: Sink,
-        cluster: str,
-        route: RouteEntry,
-        answer: _Answer,
-        request_id: str,
-    ) -> None:
+    async def _respond(self, request: _Exchange, route: RouteEntry, answer: _Answer) -> None:
         upstream = answer.response
         headers = [(k, v) for k, v in upstream.headers if k.lower() != "x-request-id"]
-        headers.append(("X-Request-Id", request_id))
-        if answer.complete:
-            self._finish(route, "ok")
-            buffered = answer.buffered
-            sink.send(
-                upstream.status, headers, buffered[0] if len(buffered) == 1 else b"".join(buffered)
-            )
-            await upstream.aclose()
+        headers.append(("X-Request-Id", request.request_id))
+        if not answer.complete:
+            await self._stream(request, route, answer, headers)
             return
-        outcome: Any = "cancelled"
-        task = asyncio.current_task()
+        self._finish(route, "ok")
+        buffered = answer.buffered
+        body = buffered[0] if len(buffered) == 1 else b"".join(buffered)
+        request.sink.send(upstream.status, headers, body)
+        await upstream.aclose()
+
+    async def _stream(
+        self, request: _Exchange, route: RouteEntry, answer: _Answer, headers: Headers
+    ) -> None:
+        """An answer whose body is still arriving, passed on as it comes. Once the client has
+        the head, a break can only be told in-band (an event stream's last event) or by
+        cutting the connection."""
+        sink = request.sink
+        # Unless the body ends: the client went away (ConnectionResetError, or its handler
+        # cancelled), which says nothing about the replica.
+        outcome: Outcome = "cancelled"
         try:
-            buffered = answer.buffered
-            await sink.start(upstream.status, headers, buffered[0] if buffered else b"")
-            for chunk in buffered[1:]:
-                await sink.write(chunk)
-            relay = getattr(upstream, "relay", None)
-            writer = sink.relay_writer(cast(FlowControlled, upstream)) if relay else None
-            if relay is not None and writer is not None:
-                # Both ends can: each chunk goes from the replica's socket to the client's in
-                # the replica connection's read callback, with no task wake-up per chunk.
-                try:
-                    await relay(writer)
-                finally:
-                    sink.relay_done()
-                    close = getattr(answer.body, "aclose", None)
-                    if close is not None:
-                        await close()  # the iterator the first chunk came from
-            else:
-                async for chunk in answer.body:
-                    await sink.write(chunk)
+            await _pass_on(sink, answer, headers)
             outcome = "ok"
         except StreamBroken as exc:
             outcome = "stream_broken"
-            self.instruments.stream_broken(cluster)
+            self.instruments.stream_broken(request.label)
             self.log.warning(
                 "stream_broken",
-                request_id=request_id,
-                cluster=cluster,
+                request_id=request.request_id,
+                cluster=request.label,
                 replica=route.replica_id,
                 error=exc.detail,
             )
-            if answer.event_stream:
-                message = f"the replica failed mid-stream ({exc.detail}); the answer is incomplete"
-                await _write_quietly(sink, _sse_error(message, "stream_broken", request_id))
-            else:
+            if not answer.event_stream:
                 # No in-band way to say it: drop the connection so that the client sees an
                 # incomplete body, never a complete-looking truncated one.
                 sink.abort()
                 return
-        except ConnectionResetError:
-            raise  # the client went away; `finally` records it as cancelled
+            message = f"the replica failed mid-stream ({exc.detail}); the answer is incomplete"
+            await _write_quietly(sink, _sse_error(message, "stream_broken", request.request_id))
         except asyncio.CancelledError:
-            # The client went away (its handler is cancelled), or cut_in_flight() ended the
-            # shutdown grace while the client is still connected.
-            if not (self._cut and task is not None and answer.event_stream):
+            if not await self._ended_by_cut(request, answer):
                 raise
-            if sink.client_gone():
-                raise
-            task.uncancel()  # our own cut, handled here: the handler ends normally
-            # Counted as a cut stream; the outcome stays "cancelled", no fault of the replica's.
-            self.instruments.stream_broken(cluster)
-            self.log.warning("stream_cut_at_shutdown", request_id=request_id, cluster=cluster)
-            message = (
-                "the gateway is shutting down and its grace period ended; the answer is incomplete"
-            )
-            await _write_quietly(sink, _sse_error(message, "gateway_shutdown", request_id))
         finally:
-            ejection = self.router.finished(route, outcome)
-            if ejection is not None:
-                self.dispatcher.on_ejection(ejection)
-            await upstream.aclose()
+            self._finish(route, outcome)
+            await answer.response.aclose()
         await sink.end()
+
+    async def _ended_by_cut(self, request: _Exchange, answer: _Answer) -> bool:
+        """Whether a cancellation is cut_in_flight()'s (the shutdown grace ended) on an event
+        stream whose client is still connected; if so, the client is told, and the handler
+        ends normally. Any other (the client went away) is the caller's to re-raise."""
+        task = asyncio.current_task()
+        if not (self._cut and task is not None and answer.event_stream):
+            return False
+        if request.sink.client_gone():
+            return False
+        task.uncancel()  # our own cut, handled here
+        # Counted as a cut stream; the outcome stays "cancelled", no fault of the replica's.
+        self.instruments.stream_broken(request.label)
+        self.log.warning(
+            "stream_cut_at_shutdown", request_id=request.request_id, cluster=request.label
+        )
+        message = (
+            "the gateway is shutting down and its grace period ended; the answer is incomplete"
+        )
+        error = _sse_error(message, "gateway_shutdown", request.request_id)
+        await _write_quietly(request.sink, error)
+        return True
+
+
+class _Exchange:
+    """One request on its way through the proxy: the two steps the dispatcher runs for each
+    attempt (`attempt`, then `settle`), and what the metrics and the access log record."""
+
+    __slots__ = (
+        "_proxy",
+        "attempts",
+        "body",
+        "cluster",
+        "headers",
+        "inbound",
+        "label",
+        "last_failure",
+        "path",
+        "request_id",
+        "route",
+        "sink",
+        "started",
+        "status",
+        "tenant",
+    )
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        inbound: Inbound,
+        sink: Sink,
+        tenant: Tenant,
+        cluster: str,
+        path: str,
+        body: bytes,
+    ) -> None:
+        self._proxy = proxy
+        self.started = asyncio.get_running_loop().time()
+        self.inbound = inbound
+        self.sink = sink
+        self.tenant = tenant
+        self.path = path
+        self.body = body
+        # The metrics label, once resolved: only names the routing table knows.
+        self.cluster = self.label = cluster
+        self.request_id = request_id = inbound.header("x-request-id") or proxy.new_request_id()
+        self.headers = [(k, v) for k, v in inbound.header_items() if k.lower() not in _DROP]
+        self.headers.append(("X-Request-Id", request_id))
+        self.attempts = 0
+        self.last_failure = ""  # the outcome a retry is counted under
+        self.route: RouteEntry | None = None  # the last that answered with a head
+        self.status = 0  # the client went away first, unless set
+
+    async def attempt(self, route: RouteEntry, first_byte_timeout: float) -> _Answer:
+        """The replica's head (and an event stream's first chunk)."""
+        self.attempts += 1
+        if self.attempts > 1:
+            # No failure seen here means the dispatcher's own first-byte guard fired.
+            self._proxy.instruments.retry(self.label, self.last_failure or "first_byte_timeout")
+            self.last_failure = ""
+        # Built for each attempt, with its own timeout: cheaper than a frozen copy (replace()).
+        upstream = UpstreamRequest(
+            method=self.inbound.method,
+            path=self.path,
+            headers=self.headers,
+            body=self.body,
+            request_id=self.request_id,
+            first_byte_timeout=first_byte_timeout,
+        )
+        try:
+            return await self._proxy._open(route, upstream)
+        except RequestTooLarge as exc:
+            raise TooLarge(str(exc)) from exc  # no replica can take it: not a retry
+        except UpstreamError as exc:
+            self.last_failure = exc.outcome
+            raise
+
+    async def settle(self, route: RouteEntry, answer: _Answer) -> None:
+        """The head is in: a body that is not a stream is read whole, so that one breaking
+        off goes back to the dispatcher to be retried elsewhere."""
+        proxy = self._proxy
+        self.route = route
+        proxy.instruments.first_byte(self.label, asyncio.get_running_loop().time() - self.started)
+        if answer.event_stream or answer.complete:
+            return
+        try:
+            await proxy._buffer(answer, self.started)
+        except StreamBroken as exc:
+            self.last_failure = exc.outcome
+            raise BrokenWhileHeld(exc.replica_id, exc.detail) from exc
+        except TimeoutError:
+            await answer.response.aclose()
+            raise AnswerTimeout(proxy.settings.body_timeout_s) from None
+
+
+class NotReady(DispatchError):
+    """No routing table has arrived yet: nothing can be routed, and nothing is unknown."""
+
+    retry_after_s = 1.0
+
+    def __init__(self) -> None:
+        super().__init__(503, "not_ready", "the gateway has not received a routing table yet")
+
+
+class TooLarge(DispatchError):
+    """The transport cannot carry this request to any replica (the overlay's size limit)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(413, "too_large", message)
+
+
+class AnswerTimeout(DispatchError):
+    """A non-streaming answer was not complete within the body timeout (from arrival)."""
+
+    outcome: Outcome = "first_byte_timeout"  # counted against its replica, like a silent one
+
+    def __init__(self, limit_s: float) -> None:
+        super().__init__(504, "timeout", f"the answer was not complete within {limit_s:g} s")
+        self.limit_s = limit_s
+
+
+def refuse(
+    sink: Sink,
+    error: DispatchError,
+    request_id: str,
+    method: str,
+    known: Callable[[], Sequence[str]],
+) -> None:
+    """The one place where a request that got no answer from a replica gets its reply: the
+    error's status, code and message, and what only the request knows (`known`: the models
+    the caller may be told of; `method`: why it was not repeated)."""
+    message = error.message
+    if error.lists_known:
+        message += f" (known: {', '.join(known()) or 'none'})"
+    if error.not_repeated:
+        message += "; " + _not_repeated(method)
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    send_error(sink, error.status, message, error.code, request_id, **headers)
+
+
+async def _pass_on(sink: Sink, answer: _Answer, headers: Headers) -> None:
+    """The head, what was held back, then the rest of the body as it arrives."""
+    upstream = answer.response
+    buffered = answer.buffered
+    await sink.start(upstream.status, headers, buffered[0] if buffered else b"")
+    for chunk in buffered[1:]:
+        await sink.write(chunk)
+    relay = getattr(upstream, "relay", None)
+    writer = sink.relay_writer(cast(FlowControlled, upstream)) if relay else None
+    if relay is None or writer is None:
+        async for chunk in answer.body:
+            await sink.write(chunk)
+        return
+    # Both ends can: each chunk goes from the replica's socket to the client's in the replica
+    # connection's read callback, with no task wake-up per chunk.
+    try:
+        await relay(writer)
+    finally:
+        sink.relay_done()
+        close = getattr(answer.body, "aclose", None)
+        if close is not None:
+            await close()  # the iterator the first chunk came from
 
 
 def _answer(sink: AiohttpSink) -> web.StreamResponse:
@@ -673,4 +710,15 @@ async def _write_quietly(sink: Sink, data: bytes) -> None:
         pass
 
 
-__all__ = ["Proxy", "ProxySettings", "openai_error", "send_error", "split_passthrough"]
+__all__ = [
+    "OPENAI_PATHS",
+    "AnswerTimeout",
+    "NotReady",
+    "Proxy",
+    "ProxySettings",
+    "TooLarge",
+    "openai_error",
+    "refuse",
+    "send_error",
+    "split_passthrough",
+]

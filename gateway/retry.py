@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from runtime.env import RandomSource
 
-from .transport.base import Outcome, UpstreamError
+from .transport.base import BrokenWhileHeld, Outcome, UpstreamError
 
 # Failures before the response head: nothing reached the client, so another replica may try.
 _RETRYABLE: frozenset[Outcome] = frozenset(
@@ -40,10 +40,13 @@ class RetryPolicy:
         """stream_broken came after the head (the client already has bytes); cancelled means
         nobody is waiting for an answer. A request that is not `repeatable` may have done its
         work on a replica that then reset, timed out or answered 5xx: it is retried only when
-        it surely never got there (nginx's rule for non-idempotent methods)."""
+        it surely never got there (nginx's rule for non-idempotent methods). A body that broke
+        while the proxy held it back (BrokenWhileHeld) never reached the client either."""
         if isinstance(failure, UpstreamError):
             if not repeatable:
                 return failure.never_delivered
+            if isinstance(failure, BrokenWhileHeld):
+                return True
             failure = failure.outcome
         return repeatable and failure in _RETRYABLE
 

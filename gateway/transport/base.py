@@ -1,9 +1,9 @@
 """The transport contract: open a request to one replica, get its head, then stream its body.
 
-The proxy (gateway/proxy.py) decides retries from the exception class alone, so each transport
-maps its own failures onto these four. Before the head arrives nothing reached the client, so
-the proxy may try another replica; after it, only `StreamBroken` can happen, and the client is
-told in-band.
+Retries are decided from the exception class alone (gateway/retry.py), so each transport maps
+its own failures onto these four. Before the head arrives nothing reached the client, so the
+proxy may try another replica; after it, only `StreamBroken` can happen, and the client is
+told in-band (unless the proxy still held the body back: `BrokenWhileHeld`, retried).
 """
 
 from __future__ import annotations
@@ -73,6 +73,12 @@ class StreamBroken(UpstreamError):
     """The body broke off after the head: too late to retry, the client must be told."""
 
     outcome: Outcome = "stream_broken"
+
+
+class BrokenWhileHeld(StreamBroken):
+    """The body broke off while the proxy still held it back (it reads a non-streaming answer
+    whole before the client sees a byte): counted against the replica as stream_broken, but
+    the client has seen nothing, so a request that may be repeated goes to another replica."""
 
 
 @dataclass(frozen=True, slots=True)
