@@ -219,16 +219,8 @@ class Proxy:
             return
         # An inference call changes nothing on the replica: repeating it after a failure is
         # what keeps clients from seeing errors a healthy replica could have answered.
-        await self._forward(
-            inbound,
-            sink,
-            tenant,
-            parsed.model,
-            target,
-            body,
-            self._affinity_key(parsed),
-            repeatable=True,
-        )
+        request = _Exchange(self, inbound, sink, tenant, parsed.model, target, body)
+        await self._forward(request, self._affinity_key(parsed), repeatable=True)
 
     async def serve_passthrough(
         self, inbound: Inbound, sink: Sink, tenant: Tenant, cluster: str, target: str, body: bytes
@@ -238,7 +230,8 @@ class Proxy:
         repeatable = (
             inbound.method in _IDEMPOTENT_METHODS or inbound.header("idempotency-key") is not None
         )
-        await self._forward(inbound, sink, tenant, cluster, target, body, "", repeatable=repeatable)
+        request = _Exchange(self, inbound, sink, tenant, cluster, target, body)
+        await self._forward(request, "", repeatable=repeatable)
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
         limit = self.settings.request_body_timeout_s
@@ -319,23 +312,11 @@ class Proxy:
         finally:
             self._in_flight.discard(task)
 
-    async def _forward(
-        self,
-        inbound: Inbound,
-        sink: Sink,
-        tenant: Tenant,
-        cluster: str,
-        path: str,
-        body: bytes,
-        key: str,
-        *,
-        repeatable: bool,
-    ) -> None:
+    async def _forward(self, request: _Exchange, key: str, *, repeatable: bool) -> None:
         """One request, start to end: its cluster resolved; the dispatcher's way to an answer,
         every attempt and retry its own (each attempt is `request.attempt`, then
         `request.settle`); the answer passed on. Or, if none came, the reply its
         DispatchError earns (`refuse`). Counted and logged however it ends."""
-        request = _Exchange(self, inbound, sink, tenant, cluster, path, body)
         try:
             self._resolve(request)
             route, answer = await self.dispatcher.run(
@@ -349,7 +330,13 @@ class Proxy:
             await self._respond(request, route, answer)
         except DispatchError as error:
             request.status = error.status
-            refuse(sink, error, request.request_id, inbound.method, lambda: self._known_to(tenant))
+            refuse(
+                request.sink,
+                error,
+                request.request_id,
+                request.inbound.method,
+                lambda: self._known_to(request.tenant),
+            )
         finally:
             self._record(request)
 
