@@ -38,7 +38,7 @@ from runtime.system import ActorRef
 from .errors import ControllerError
 from .live_state import LiveState
 from .replica_actor import ACTIVE, Fail, Place, ReplicaMsg, Stop
-from .scheduler import NoFit, schedule
+from .scheduler import RELEASED, NoFit, Placement, schedule
 
 
 class ClusterError(ControllerError, ValueError):
@@ -88,6 +88,11 @@ class Fleet(Protocol):
     async def replica(self, replica_id: str, spec: ClusterSpec) -> ActorRef[ReplicaMsg]: ...
 
     def scheduler_rng(self) -> RandomSource: ...
+
+    def placeable(self, node_id: str) -> bool:
+        """Whether a placement may use this node now (not while the controller's grace says
+        its view of the node may be stale)."""
+        ...
 
 
 def _good(node: NodeView | None) -> bool:
@@ -282,11 +287,16 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
             fleet = live.state
             # Every replica, all clusters: the scheduler knows which statuses still hold GPUs.
             everyone = list(fleet.replicas.replicas.values())
-            nodes = list(fleet.nodes.nodes.values())
+            nodes = [n for n in fleet.nodes.nodes.values() if self.fleet.placeable(n.node_id)]
+            # In the controller's grace some nodes are not heard from yet: a decision that
+            # would be different with them (none fits, or one stacks replicas) waits for them.
+            waiting = len(nodes) < len(fleet.nodes.nodes)
             decision = schedule(nodes, spec, everyone, rng, avoid=avoid)
             if isinstance(decision, NoFit) and avoid:
                 # The node the slot failed on is the only fit: better there than nowhere.
                 decision = schedule(nodes, spec, everyone, rng)
+            if waiting and (isinstance(decision, NoFit) or _stacks(decision, spec, everyone)):
+                return placed, None  # a later pass, once they are heard from, places it
             if isinstance(decision, NoFit):
                 return placed, decision
             if slot is not None:
@@ -314,6 +324,14 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         ref = await self.fleet.replica(replica.replica_id, spec)
         positions = await ref.ask(msg, timeout=30.0, expect=list)
         return max(positions, default=0)
+
+
+def _stacks(decision: Placement, spec: ClusterSpec, replicas: list[ReplicaView]) -> bool:
+    """Whether the decision puts a second live replica of the cluster on one node."""
+    return any(
+        r.cluster == spec.name and r.node_id == decision.node_id and r.status not in RELEASED
+        for r in replicas
+    )
 
 
 def _ordinal(replica: ReplicaView) -> int:

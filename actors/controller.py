@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from events import ClusterSpec
+from events import ClusterSpec, stream_of
 from events.contract import subjects
 from events.contract.messages import (
     Heartbeat,
@@ -28,6 +28,7 @@ from events.contract.messages import (
     ReplicaSuspicion,
     RoutingUpdate,
 )
+from events.controller import ControllerGrace, GraceReason
 from events.errors import EventStoreError
 from runtime.command_queue import CommandQueue
 from runtime.env import BusError, Env, Msg, RandomSource
@@ -45,8 +46,6 @@ from .silence_watch import SilenceWatch
 
 T = TypeVar("T")
 
-# A node's lease is this share of the silence that makes it offline (clock-rate margin).
-LEASE_FRACTION = 0.8
 LEASE_INDEX_REFRESH_S = 0.25
 
 # Actors restart on a crash; a run of crashes escalates and stops the controller loudly.
@@ -66,6 +65,7 @@ class ControllerConfig:
     heartbeat_rate_per_interval: float = 4.0
     heartbeat_burst: float = 20.0
     drop_log_interval: float = 1.0  # at most one "message_dropped" line per kind this often
+    controller_id: str = "controller"  # names its stream, `controller/<id>`
 
 
 class Controller:
@@ -179,6 +179,8 @@ class Controller:
             for subject, handler in subscriptions:
                 sub = await bus.subscribe(subject, queue="controller")
                 tasks.create_task(self._serve(sub, handler), name=f"serve:{subject}")
+            await self._begin_hearing("started")
+            bus.add_reconnect_callback(self._on_bus_back)
             from .control_api import ControlApi
 
             api = ControlApi(self)
@@ -192,6 +194,31 @@ class Controller:
                 tasks.create_task(job())
             self.ready.set()
             self.log.info("controller_ready")
+
+    async def _begin_hearing(self, reason: GraceReason) -> None:
+        """Heartbeats come in from now: start the grace (HealthPolicy.grace_s) and record it."""
+        health = self.config.health
+        self.liveness.begin_hearing(self.env.clock.monotonic(), health)
+        grace = ControllerGrace(
+            controller_id=self.config.controller_id,
+            reason=reason,
+            grace_s=health.grace_s,
+            lease_s=health.lease_s,
+        )
+        self.log.info("controller_grace", reason=reason, grace_s=health.grace_s)
+        stream = stream_of(grace)
+        try:
+            version = await self.env.store.stream_version(stream)
+            await self.env.store.append(stream, [self.env.new_event(grace)], version)
+        except EventStoreError as exc:  # the grace holds whether or not it could be written
+            self.log.warning("controller_grace_not_recorded", error=str(exc))
+
+    async def _on_bus_back(self) -> None:
+        await self._begin_hearing("reconnected")
+
+    def placeable(self, node_id: str) -> bool:
+        """Whether a placement may use this node now (NodeLiveness.placeable)."""
+        return self.liveness.placeable(node_id, self.env.clock.monotonic())
 
     async def _respawn(self) -> None:
         """After a restart: actors for every known node (silence detection restarts with a
@@ -279,10 +306,7 @@ class Controller:
         ack = HeartbeatAck(
             node_id=hb.node_id,
             seq=hb.seq,
-            # Strictly less than the silence after which we declare it offline, measured by
-            # the agent from when it sent the heartbeat (before we saw it): its lease ends
-            # before we could replace its replicas.
-            lease_s=health.offline_after * health.heartbeat_interval * LEASE_FRACTION,
+            lease_s=health.lease_s,  # HealthPolicy.lease_s: why it ends before a replacement
             replicas=self._leases().get(hb.node_id, ()),
         )
         try:
@@ -313,6 +337,7 @@ class Controller:
             self._drop("impersonation", msg, f"register for {reg.node_id} on {msg.subject}")
             return
         ref = await self.node(reg.node_id)
+        self.liveness.heard(reg.node_id, self.env.clock.monotonic())  # it is talking to us
         reply = await ref.ask(Join(reg), timeout=10.0, expect=RegisterReply)
         await self.live.wait_for(await self.env.store.head())
         if msg.reply:

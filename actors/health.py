@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from events import GpuMetrics
 from events.node import HealthReason, HealthState
 
+# A node's lease is this share of the silence that makes it offline (clock-rate margin).
+LEASE_FRACTION = 0.8
+
 
 @dataclass(frozen=True, slots=True)
 class HealthPolicy:
@@ -20,6 +23,22 @@ class HealthPolicy:
     offline_after: int = 3  # missed heartbeats before the node is declared offline
     thermal_high_c: float = 85.0  # at or above: degraded
     thermal_low_c: float = 75.0  # at or below again: the thermal condition clears
+
+    @property
+    def lease_s(self) -> float:
+        """How long a node may serve its replicas after a heartbeat without hearing from the
+        controller again: strictly less than the silence after which the controller declares
+        it offline, measured by the agent from when it sent the heartbeat (before the
+        controller saw it), so a lease ends before its replicas could be replaced."""
+        return self.offline_after * self.heartbeat_interval * LEASE_FRACTION
+
+    @property
+    def grace_s(self) -> float:
+        """How long after a controller begins to take heartbeats in it declares nobody suspect
+        or offline, and places only on nodes it has heard from: a full lease (a node may
+        still serve on one granted before, or kept while no controller answered) plus the
+        offline window."""
+        return self.lease_s + self.offline_after * self.heartbeat_interval
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ up as a conflict, counted and logged, not as an interleaving nobody noticed.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Callable
 
 from events import NodeHeartbeat, stream_name
@@ -44,9 +45,33 @@ class NodeLiveness:
     def __init__(self) -> None:
         self.last_heard: dict[str, float] = {}  # node id -> loop time; the controller writes
         self.verdicts: dict[str, tuple[HealthState, str]] = {}  # node id -> (state, reason)
+        # When this controller last began to hear heartbeats (it started, or came back to
+        # NATS): while nobody took heartbeats in, agents kept serving on their last lease
+        # (nodeagent/agent.py), so silence counts from the end of such a lease at the
+        # earliest (`leases_end`), and until `grace_until` only nodes heard from since may
+        # take a replica. Infinite until the controller first hears.
+        self.hearing_since = math.inf
+        self.leases_end = math.inf
+        self.grace_until = math.inf
 
     def heard(self, node_id: str, at: float) -> None:
         self.last_heard[node_id] = at
+
+    def begin_hearing(self, at: float, policy: HealthPolicy) -> None:
+        self.hearing_since = at
+        self.leases_end = at + policy.lease_s
+        self.grace_until = at + policy.grace_s
+
+    @property
+    def hearing(self) -> bool:
+        return self.hearing_since != math.inf
+
+    def placeable(self, node_id: str, now: float) -> bool:
+        """During the grace, only a node heard from since hearing began may take a replica:
+        the log's view of the others may be stale by the whole outage."""
+        if now >= self.grace_until:
+            return True
+        return self.last_heard.get(node_id, -math.inf) >= self.hearing_since
 
     def may_change_verdict(self, hb: Heartbeat, policy: HealthPolicy) -> bool:
         """Whether the NodeActor must see this heartbeat: the verdict it implies differs from

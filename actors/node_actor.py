@@ -98,7 +98,21 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
 
     @property
     def last_seen(self) -> float:
-        return max(self._grace_from, self.liveness.last_heard.get(self.node_id, 0.0))
+        """Silence counts from here. A node not heard from since this controller began to hear
+        heartbeats may still serve on a lease kept while nobody took them in: for it, from
+        the end of such a lease at the earliest (NodeLiveness.leases_end)."""
+        liveness = self.liveness
+        heard = liveness.last_heard.get(self.node_id, 0.0)
+        if heard < liveness.hearing_since:
+            heard = max(heard, liveness.leases_end)
+        return max(self._grace_from, heard)
+
+    def _in_grace(self, now: float) -> bool:
+        """No verdict on silence yet: this controller began to hear too recently, and has not
+        heard this node since (the grace: HealthPolicy.grace_s)."""
+        liveness = self.liveness
+        heard = liveness.last_heard.get(self.node_id, -1.0)
+        return now < liveness.grace_until and heard < liveness.hearing_since
 
     @property
     def suspect_logged(self) -> bool:
@@ -156,6 +170,8 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         if ctx.self_ref.stopped:
             return None
         interval = self.policy.heartbeat_interval
+        if not self.liveness.hearing:
+            return now + interval  # the controller takes no heartbeats in yet: nothing to judge
         if self._at_deadline:
             self._at_deadline = False
             if not _connected(ctx):
@@ -258,6 +274,8 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
     async def _on_check(self, ctx: ActorContext[NodeMsg]) -> list[int]:
         if not self.state.registered or self.state.health == "offline":
             return []
+        if not self.liveness.hearing:
+            return []
         now = ctx.env.clock.monotonic()
         if not _connected(ctx):
             # The controller cannot hear anyone: a silence now says nothing about the node.
@@ -288,7 +306,11 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                     )
                 ],
             )
-        if missed >= self.policy.suspect_after and not self.suspect_logged:
+        if (
+            missed >= self.policy.suspect_after
+            and not self.suspect_logged
+            and not self._in_grace(now)
+        ):
             self._suspect_for = self.last_seen
             ctx.log.warning("node_suspect", missed=missed)
             # Only a healthy node becomes suspect: a degraded or unhealthy verdict says more

@@ -20,6 +20,7 @@ from .cluster import (
     ClusterUnschedulable as ClusterUnschedulable,
     GpuRequirement as GpuRequirement,
 )
+from .controller import ControllerGrace as ControllerGrace
 from .envelope import (
     Envelope as Envelope,
     NewEvent as NewEvent,

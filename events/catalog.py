@@ -13,6 +13,7 @@ from .cluster import (
     ClusterSpecChanged,
     ClusterUnschedulable,
 )
+from .controller import ControllerGrace
 from .errors import InvalidAppend
 from .ids import valid_id
 from .node import NodeDrained, NodeHealthChanged, NodeHeartbeat, NodeRegistered, NodeRemoved
@@ -41,7 +42,8 @@ ReplicaEvent: TypeAlias = (
     | ReplicaStopped
     | ReplicaSuspected
 )
-DomainEvent: TypeAlias = NodeEvent | ClusterEvent | ReplicaEvent
+ControllerEvent: TypeAlias = ControllerGrace
+DomainEvent: TypeAlias = NodeEvent | ClusterEvent | ReplicaEvent | ControllerEvent
 
 EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     NodeRegistered,
@@ -61,6 +63,7 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     ReplicaStopping,
     ReplicaStopped,
     ReplicaSuspected,
+    ControllerGrace,
 )
 
 HEARTBEAT_TYPE = "node.heartbeat.v1"
@@ -69,7 +72,7 @@ _NODE_TYPES = (NodeRegistered, NodeHealthChanged, NodeDrained, NodeRemoved)
 # Heartbeats have a stream of their own beside `node/<id>`: the controller records them in
 # batches, one append for many nodes, without taking a turn in each NodeActor's mailbox, and
 # the NodeActor, which owns `node/<id>` and its decisions, never races those appends.
-STREAM_KINDS = ("node", "heartbeat", "cluster", "replica")
+STREAM_KINDS = ("node", "heartbeat", "cluster", "replica", "controller")
 _CLUSTER_SPEC_TYPES = (ClusterCreated, ClusterSpecChanged)
 
 
@@ -90,6 +93,8 @@ def stream_of(event: DomainEvent) -> str:
         return f"cluster/{event.spec.name}"
     if isinstance(event, ClusterScaled | ClusterDeleted | ClusterUnschedulable):
         return f"cluster/{event.name}"
+    if isinstance(event, ControllerGrace):
+        return f"controller/{event.controller_id}"
     return f"replica/{event.replica_id}"
 
 
@@ -97,7 +102,8 @@ def stream_name(kind: str, ident: str) -> str:
     """Build `kind/ident`, refusing ids that cannot appear in a NATS subject."""
     if kind not in STREAM_KINDS:
         raise InvalidAppend(
-            f"unknown stream kind {kind!r}: expected node, heartbeat, cluster or replica"
+            f"unknown stream kind {kind!r}: expected node, heartbeat, cluster, replica or "
+            "controller"
         )
     if not valid_id(ident):
         raise InvalidAppend(f"invalid {kind} id {ident!r}: use 1-128 of [A-Za-z0-9_-]")
@@ -110,8 +116,8 @@ def check_stream(stream: str) -> None:
     kind, sep, ident = stream.partition("/")
     if not sep:
         raise InvalidAppend(
-            f"invalid stream {stream!r}: expected node/<id>, heartbeat/<id>, cluster/<name> "
-            "or replica/<id>"
+            f"invalid stream {stream!r}: expected node/<id>, heartbeat/<id>, cluster/<name>, "
+            "replica/<id> or controller/<id>"
         )
     stream_name(kind, ident)
     if len(_VALID_STREAMS) >= _VALID_STREAMS_KEPT:

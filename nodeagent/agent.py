@@ -29,7 +29,7 @@ from events.contract.messages import (
 )
 from events.node import GpuMetrics
 from runtime.command_queue import CommandQueue, Delivery
-from runtime.env import BusError, Env, Msg, NoResponders, RequestTimeout
+from runtime.env import BusError, Env, Msg, NoResponders, RequestTimeout, is_no_responders
 
 from .config import AgentConfig
 from .fencing_front import DirectFront, front_path
@@ -116,7 +116,9 @@ class Agent:
         self._sent_at: dict[int, float] = {}  # heartbeat seq -> when it was sent
         self._lease_seq = 0
         self._lease_until: float | None = None
+        self._lease_s = 0.0  # the length of the last lease a controller granted
         self._leased: frozenset[tuple[str, int]] = frozenset()
+        self.controller_absent = False  # heartbeats find no controller (we are connected)
         self._lease_changed = asyncio.Event()  # replaced after each new lease
         self._last_sample: tuple[tuple[GpuMetrics, ...], str] = ((), "")
 
@@ -301,6 +303,9 @@ class Agent:
     # Fencing: the controller's lease.
 
     def _on_lease(self, msg: Msg) -> None:
+        if is_no_responders(msg):
+            self._on_no_controller()
+            return
         try:
             ack = _HEARTBEAT_ACK.decode(msg.data)
         except msgspec.DecodeError as exc:
@@ -311,11 +316,44 @@ class Agent:
             return  # not ours, too old, or overtaken by a newer ack
         if self._lease_until is None:
             self._log.info("lease_granted", lease_s=ack.lease_s)
+        if self.controller_absent:
+            self.controller_absent = False
+            self._log.info("controller_back", lease_s=ack.lease_s)
         self._lease_seq = ack.seq
         self._lease_until = sent + ack.lease_s
+        self._lease_s = ack.lease_s
         self._leased = frozenset((r.replica_id, r.epoch) for r in ack.replicas)
         changed, self._lease_changed = self._lease_changed, asyncio.Event()
         changed.set()
+
+    def _on_no_controller(self) -> None:
+        """NATS answered a heartbeat with "no responders": we are connected, and nobody takes
+        heartbeats in (the controller is down, or one is taking over). The last lease is kept
+        for another term, counted from the heartbeat it answers; a node cut off from NATS hears
+        nothing and its lease lapses as before. This is safe because a controller that starts
+        declares nobody offline until a full lease plus the offline window after it began to
+        take heartbeats in (actors/node_actor.py): every lease kept this way has ended by then.
+
+        A lease that has lapsed stays lapsed. The answer does not say which heartbeat it is
+        for; they come in order, so it is for the oldest one still unanswered or a later one,
+        and that one's send time is the safe start.
+        """
+        oldest = next((seq for seq in self._sent_at if seq > self._lease_seq), None)
+        if oldest is None or self._lease_until is None:
+            return  # nothing sent since the last ack, or never leased: nothing to keep
+        if self._env.clock.monotonic() > self._lease_until:
+            # Lapsed already (cut off for a while, say): while it was, a controller may have
+            # replaced these replicas. Only a controller's own lease revives it.
+            return
+        sent = self._sent_at.pop(oldest)
+        self._lease_until = max(self._lease_until, sent + self._lease_s)
+        if not self.controller_absent:
+            self.controller_absent = True
+            self._log.warning(
+                "controller_absent",
+                detail="heartbeats find no controller; serving on the last lease until one answers",
+                replicas=len(self._leased),
+            )
 
     async def wait_for_lease(self, replica_id: str, epoch: int) -> None:
         """Until the lease covers `replica_id` at `epoch`, asking for a fresh one at once

@@ -57,6 +57,15 @@ class Msg(msgspec.Struct, frozen=True, kw_only=True):
     headers: dict[str, str] | None = None
 
 
+NO_RESPONDERS = "503"
+"""The Status header of the answer a Bus delivers, as NATS does, to the reply subject of a
+message that nobody subscribed to takes (a request's, and any publish's with a reply)."""
+
+
+def is_no_responders(msg: Msg) -> bool:
+    return not msg.data and msg.headers is not None and msg.headers.get("Status") == NO_RESPONDERS
+
+
 MsgHandler = Callable[[Msg], None]
 """Takes a message as it arrives (`Bus.subscribe(..., handler=...)`); must not block."""
 

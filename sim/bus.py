@@ -19,6 +19,7 @@ import structlog
 
 from runtime.env import (
     DEFAULT_MAX_PAYLOAD,
+    NO_RESPONDERS,
     Msg,
     MsgHandler,
     NoResponders,
@@ -221,7 +222,11 @@ class MemoryBus:
     async def publish(
         self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
     ) -> None:
-        self.deliver(Msg(subject=subject, data=data, reply=reply, headers=headers))
+        msg = Msg(subject=subject, data=data, reply=reply, headers=headers)
+        if self.deliver(msg) == 0 and reply:
+            # As a NATS server does for a client that asked for it (nats-py does): a message
+            # with a reply subject that nobody takes is answered "503, no responders".
+            self.deliver(Msg(subject=reply, data=b"", headers={"Status": NO_RESPONDERS}))
 
     def deliver(self, msg: Msg) -> int:
         """Hand `msg` to every matching subscriber (one per queue group); return how many."""

@@ -85,6 +85,19 @@ class FaultRunner:
 
             self._later(fault, "nats_outage", back)
             return
+        if kind == "gateway_partition":
+            # Its NATS connection only: HTTP to the nodes still goes through, on a routing
+            # table that no longer changes. The nodes' fences are all that keep it safe.
+            world.network.isolate("gateway")
+            world.checker.gateway_cut(world.now())
+            world.note("fault  gateway_partition")
+
+            def rejoin() -> None:
+                world.network.reconnect("gateway")
+                world.checker.gateway_back(world.now())
+
+            self._later(fault, "gateway_partition", rejoin)
+            return
         if kind == "churn":
             self._background.append(world.spawn(self._churn(fault), "fault:churn"))
             world.note(f"fault  churn ({fault.count} nodes every {fault.period_s:g} s)")
@@ -109,8 +122,7 @@ class FaultRunner:
 
             def thaw() -> None:
                 node.hung = False
-                net.reconnect(node.node_id)
-                node.commands.open.set()
+                world.rejoin(node)
 
             self._later(fault, what, thaw)
         elif kind in ("partition", "one_way_partition"):
@@ -124,8 +136,7 @@ class FaultRunner:
             def heal() -> None:
                 node.partitioned = False
                 if kind == "partition":
-                    net.reconnect(node.node_id)
-                    node.commands.open.set()
+                    world.rejoin(node)
                 else:
                     net.heal()
 

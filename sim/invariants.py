@@ -82,6 +82,8 @@ class Checker:
         self._versions: dict[str, int] = {}
         self._superseded: dict[tuple[str, int], float] = {}  # (replica, epoch) -> when
         self._offline_since: dict[str, float] = {}
+        self._gateway_cut_since: float | None = None  # its table is stale from then
+        self._gateway_back_at = -math.inf
         self._pending: list[_Pending] = []
         self._controller_down: list[list[float]] = []  # [from, until]; until inf while down
         self._caught_up = asyncio.Event()
@@ -199,8 +201,19 @@ class Checker:
                     )
                     break
 
+    def gateway_cut(self, at: float) -> None:
+        self._gateway_cut_since = at
+
+    def gateway_back(self, at: float) -> None:
+        self._gateway_cut_since = None
+        self._gateway_back_at = at
+
     def on_route(self, route: RouteEntry, now: float) -> None:
-        """The gateway is about to send a request to `route`."""
+        """The gateway is about to send a request to `route`. A gateway cut off from NATS
+        routes on a table that no longer changes: what it sends is then the nodes' fences' to
+        refuse (on_served), not a routing fault."""
+        if self._gateway_cut_since is not None or now - self._gateway_back_at <= ROUTE_GRACE_S:
+            return
         since = self._superseded.get((route.replica_id, route.epoch))
         if since is not None and now - since > ROUTE_GRACE_S:
             self._violate(
@@ -215,6 +228,30 @@ class Checker:
                 "route_not_offline",
                 f"request to {route.replica_id} on {route.node_id}, offline since {offline:.3f}",
             )
+
+    def on_served(self, route: RouteEntry, node_id: str, now: float) -> None:
+        """A node took a request for `route` in (its fence let it through). No other epoch of
+        that replica may be routable at the same instant: running on a node a gateway can
+        reach, and let through by that node's fence. This is what the lease guarantees,
+        whatever the controller, NATS or the network did: it ends on the old node before the
+        controller may place a new epoch, and a gateway with a stale table (several gateways,
+        one cut off) would otherwise reach both."""
+        for other in self.world.nodes.values():
+            if other.agent is None or not other.powered or other.partitioned or other.hung:
+                continue
+            for workload in other.driver.running():
+                if (
+                    workload.replica_id == route.replica_id
+                    and workload.epoch != route.epoch
+                    and not other.agent.fenced(workload.replica_id, workload.epoch)
+                ):
+                    self._violate(
+                        now,
+                        "one_serving_epoch",
+                        f"{route.replica_id}@{route.epoch} served on {node_id} while "
+                        f"@{workload.epoch} is routable on {other.node_id}",
+                    )
+                    return
 
     def controller_down(self, at: float) -> None:
         self._controller_down.append([at, math.inf])

@@ -67,6 +67,7 @@ import structlog
 
 from runtime.env import (
     DEFAULT_MAX_PAYLOAD,
+    NO_RESPONDERS,
     BusError,
     Msg,
     MsgHandler,
@@ -74,6 +75,7 @@ from runtime.env import (
     RandomSource,
     ReconnectCallback,
     RequestTimeout,
+    is_no_responders,
 )
 
 from .bus import MemorySubscription, Plan, pick, plan, subject_matches
@@ -85,7 +87,6 @@ ANY: Final = "*"  # set_link wildcard
 DEFAULT_PENDING_SIZE: Final = 2 * 1024 * 1024  # nats-py's pending_size while reconnecting
 DEFAULT_RECONNECT_WAIT_S: Final = 0.5  # NatsBus.connect's reconnect_wait
 DEFAULT_EVICT_AFTER_S: Final = 300.0  # nats-server: ping_interval 2 min, ping_max 2
-_NO_RESPONDERS: Final = "503"  # the status a server sends for a request nobody listens to
 _PROTOCOL_OVERHEAD: Final = 16  # "PUB ... \r\n...\r\n", roughly, for the pending buffer
 _WILDCARD_HITS_KEPT: Final = 65_536  # subjects whose wildcard matches are remembered
 _LINKS_KEPT: Final = 65_536  # (src, dst) pairs whose link faults are remembered
@@ -176,7 +177,7 @@ class SimSubscription(MemorySubscription):
 @dataclass(slots=True)
 class _Outgoing:
     msg: Msg
-    want_status: bool  # a request: the server answers 503 if nobody listens
+    want_status: bool  # it has a reply subject: the server answers 503 if nobody listens
 
     @property
     def size(self) -> int:
@@ -249,7 +250,9 @@ class SimEndpoint:
         self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
     ) -> None:
         msg = Msg(subject=subject, data=data, reply=reply, headers=headers)
-        self._send(_Outgoing(msg, want_status=False))
+        # Any message with a reply subject that nobody takes is answered "no responders", as
+        # by nats-server for a client that asked for it (nats-py does), not only a request.
+        self._send(_Outgoing(msg, want_status=bool(reply)))
 
     async def subscribe(
         self, subject: str, *, queue: str = "", handler: MsgHandler | None = None
@@ -279,7 +282,7 @@ class SimEndpoint:
                 reply = await sub.next_msg(timeout)
             except TimeoutError:
                 raise RequestTimeout(subject, timeout) from None
-            if reply.headers and reply.headers.get("Status") == _NO_RESPONDERS and not reply.data:
+            if is_no_responders(reply):
                 raise NoResponders(subject)
             return reply
         finally:
@@ -609,10 +612,23 @@ class SimNetwork:
         now = self._now()
         subject = msg.subject
         planned = self._plans.get(subject)
-        if planned is not None:
-            for sub in pick(planned, self._turns):
-                self._transmit(src, sub, msg, now)
+        if planned is None:
+            planned = self._plan(subject, now)
+        targets = pick(planned, self._turns)
+        if not targets:
+            self._record(src, SERVER, msg, "unrouted")
+            if out.want_status:
+                # The 503 goes back to the requester alone, over its own link.
+                status = Msg(subject=msg.reply, data=b"", headers={"Status": NO_RESPONDERS})
+                for sub in sender._subs:
+                    if sub.subject == msg.reply and sub.known:
+                        self._transmit(src, sub, status, now)
             return
+        for sub in targets:
+            self._transmit(src, sub, msg, now)
+
+    def _plan(self, subject: str, now: float) -> Plan[SimSubscription]:
+        """Who takes `subject` now; remembered while nothing that decides it can change."""
         matching = self._wildcard_hits.get(subject)
         if matching is None:
             if len(self._wildcard_hits) >= _WILDCARD_HITS_KEPT:
@@ -629,18 +645,7 @@ class SimNetwork:
             if len(self._plans) >= _WILDCARD_HITS_KEPT:
                 self._plans.clear()
             self._plans[subject] = planned
-        targets = pick(planned, self._turns)
-        if not targets:
-            self._record(src, SERVER, msg, "unrouted")
-            if out.want_status:
-                # The 503 goes back to the requester alone, over its own link.
-                status = Msg(subject=msg.reply, data=b"", headers={"Status": _NO_RESPONDERS})
-                for sub in sender._subs:
-                    if sub.subject == msg.reply and sub.known:
-                        self._transmit(src, sub, status, now)
-            return
-        for sub in targets:
-            self._transmit(src, sub, msg, now)
+        return planned
 
     def _transmit(self, src: str, sub: SimSubscription, msg: Msg, now: float) -> None:
         """The server hands `msg` (from `src`) to `sub`: the link to its endpoint decides.

@@ -48,10 +48,16 @@ FaultKind = Literal[
     "crash_loop",  # every workload on the node exits at once, again and again
     "controller_crash",  # the controller dies; restarted after duration_s, rebuilt from the log
     "nats_outage",  # the NATS server is down for everybody
+    "gateway_partition",  # the gateway loses NATS (its table goes stale) but still reaches nodes
     "churn",  # `count` nodes leave and `count` new ones join, every `period_s`
 ]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
-NODE_FAULTS = frozenset(FAULT_KINDS) - {"controller_crash", "nats_outage", "churn"}
+NODE_FAULTS = frozenset(FAULT_KINDS) - {
+    "controller_crash",
+    "nats_outage",
+    "gateway_partition",
+    "churn",
+}
 
 
 class ScenarioError(ValueError):

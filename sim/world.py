@@ -135,6 +135,13 @@ class SimTransport:
         if workload is None:
             await asyncio.sleep(0.001)
             raise ConnectFailed(route.replica_id, "connection refused")
+        fenced = node.agent.fenced(route.replica_id, route.epoch) if node.agent else "no agent"
+        if fenced:
+            # The node's fencing front refuses it before the workload sees it (the gateway
+            # takes that as a connect failure: it may try another replica).
+            await asyncio.sleep(0.001)
+            raise ConnectFailed(route.replica_id, f"fenced: {fenced}")
+        world.checker.on_served(route, node.node_id, world.now())
         service = self._rng.uniform(*SERVICE_TIME_S) + node.slow_s
         if service > request.first_byte_timeout:
             await asyncio.sleep(request.first_byte_timeout)
@@ -316,9 +323,16 @@ class World:
             workload.crash(-9)  # SIGKILL with its agent: gone, no report from anyone
 
     def power_on(self, node: SimNode) -> None:
-        self.network.reconnect(node.node_id)
-        node.commands.open.set()
+        node.powered = True
+        self.rejoin(node)
         self.boot(node)
+
+    def rejoin(self, node: SimNode) -> None:
+        """A fault that cut the node off ended: its network is back, unless another fault
+        (power, hang, partition) still holds it cut off."""
+        if node.powered and not node.hung and not node.partitioned:
+            self.network.reconnect(node.node_id)
+            node.commands.open.set()
 
     async def _create_clusters(self) -> None:
         api = self.network.endpoint("client")

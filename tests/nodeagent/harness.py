@@ -68,6 +68,9 @@ class Inbox:
     async def next(self, timeout: float = 60.0) -> Any:
         return self._decode((await self._sub.next_msg(timeout)).data)
 
+    async def close(self) -> None:
+        await self._sub.unsubscribe()
+
     async def until(self, match: Callable[[Any], bool], timeout: float = 60.0) -> list[Any]:
         """Every message up to and including the first that matches."""
         seen: list[Any] = []
@@ -101,14 +104,20 @@ class Harness:
         self.reply = RegisterReply(accepted=True, heartbeat_interval_s=1.0)
         self.leased: set[tuple[str, int]] = set()  # what grant_leases() names in each ack
         self.lease_acks: list[tuple[float, int]] = []  # (when, heartbeat seq) of each ack
+        self.lease_s = 10.0  # what grant_leases() grants
 
     @asynccontextmanager
-    async def running(self, *, controller: bool = True) -> AsyncIterator[Harness]:
-        """The agent (and a fake controller answering registrations) until the block ends."""
+    async def running(
+        self, *, controller: bool = True, watch_heartbeats: bool = True
+    ) -> AsyncIterator[Harness]:
+        """The agent (and a fake controller answering registrations) until the block ends.
+        Without `watch_heartbeats` nobody but grant_leases() takes heartbeats in, so they are
+        answered "no responders" while it does not run (`self.heartbeats` is then unset)."""
         self.reports = Inbox(await self.bus.subscribe(subjects.REPORT_ALL), _report)
-        self.heartbeats = Inbox(
-            await self.bus.subscribe(subjects.HEARTBEAT_ALL), _decoder(Heartbeat)
-        )
+        if watch_heartbeats:
+            self.heartbeats = Inbox(
+                await self.bus.subscribe(subjects.HEARTBEAT_ALL), _decoder(Heartbeat)
+            )
         async with asyncio.TaskGroup() as group:
             self.group = group
             self.tasks = [group.create_task(self.agent.run(), name="agent")]
@@ -119,6 +128,9 @@ class Harness:
             finally:
                 for task in self.tasks:
                     task.cancel()
+
+    async def stop_watching_heartbeats(self) -> None:
+        await self.heartbeats.close()
 
     def start_controller(self) -> None:
         self.tasks.append(self.group.create_task(self.controller(), name="controller"))
@@ -133,9 +145,12 @@ class Harness:
         finally:
             await sub.unsubscribe()
 
-    def grant_leases(self) -> None:
-        """Answer every heartbeat's lease request, naming the replicas in `self.leased`."""
-        self.tasks.append(self.group.create_task(self._leases(), name="leases"))
+    def grant_leases(self) -> asyncio.Task[None]:
+        """Answer every heartbeat's lease request, naming the replicas in `self.leased`, until
+        the returned task is cancelled."""
+        task = self.group.create_task(self._leases(), name="leases")
+        self.tasks.append(task)
+        return task
 
     async def _leases(self) -> None:
         sub = await self.bus.subscribe(subjects.HEARTBEAT_ALL)
@@ -147,7 +162,7 @@ class Harness:
                 ack = HeartbeatAck(
                     node_id=beat.node_id,
                     seq=beat.seq,
-                    lease_s=10.0,
+                    lease_s=self.lease_s,
                     replicas=tuple(ReplicaLease(replica_id=r, epoch=e) for r, e in self.leased),
                 )
                 await self.bus.publish(msg.reply, msgspec.json.encode(ack))

@@ -688,3 +688,64 @@ class ScriptedQueue:
 def test_the_harness_subjects_are_the_contract() -> None:
     assert subjects.fault(NODE) == "gpumesh.v1.node.n1.fault"
     assert isinstance(start(), StartReplica)
+
+
+# -- no controller: the data plane outlives the control plane ---------------------------------
+
+
+def test_a_connected_node_serves_on_its_last_lease_while_no_controller_answers() -> None:
+    """With nobody taking heartbeats in, NATS answers each "no responders": the node is
+    connected, the controller is away, and it keeps serving what it was leased, for as long as
+    that takes; it says so once, and once again when a controller answers."""
+
+    async def scenario() -> None:
+        h = Harness()
+        h.lease_s = 2.4
+        async with h.running(watch_heartbeats=False):
+            h.leased.add(("r1", 1))
+            controller = h.grant_leases()
+            await h.send(start("r1", 1))
+            await h.reports.until(lambda r: r.state == "ready")
+            assert h.agent.fenced("r1", 1) == ""
+            controller.cancel()
+            await asyncio.wait({controller})
+            for _ in range(30):  # thirty leases' worth of seconds, looked at every second
+                await asyncio.sleep(1.0)
+                assert h.agent.fenced("r1", 1) == ""
+                assert h.agent.controller_absent
+            assert h.agent.fenced("r2", 1)  # only what the last lease named
+            h.grant_leases()
+            await wait_until(lambda: not h.agent.controller_absent)
+            assert h.agent.fenced("r1", 1) == ""
+
+    with capture_logs() as logs:
+        simulate(scenario())
+    said = [e["event"] for e in logs if e["event"] in ("controller_absent", "controller_back")]
+    assert said == ["controller_absent", "controller_back"]
+
+
+def test_a_lapsed_lease_stays_lapsed_when_no_controller_answers() -> None:
+    """A node that heard nothing for longer than its lease (cut off: its heartbeats went
+    nowhere and no answer came) may have had its replicas replaced meanwhile: a later "no
+    responders" does not revive its lease; only a controller's own does."""
+
+    async def scenario() -> None:
+        h = Harness()
+        h.lease_s = 2.4
+        async with h.running():  # the harness's own heartbeat watcher: no "no responders"
+            h.leased.add(("r1", 1))
+            controller = h.grant_leases()
+            await h.send(start("r1", 1))
+            await h.reports.until(lambda r: r.state == "ready")
+            controller.cancel()
+            await asyncio.wait({controller})
+            await asyncio.sleep(3.0)
+            assert "lapsed" in h.agent.fenced("r1", 1)
+            await h.stop_watching_heartbeats()  # now every heartbeat is answered "no responders"
+            await asyncio.sleep(5.0)
+            assert h.agent.controller_absent is False
+            assert "lapsed" in h.agent.fenced("r1", 1)
+            h.grant_leases()
+            await wait_until(lambda: h.agent.fenced("r1", 1) == "")
+
+    simulate(scenario())

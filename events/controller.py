@@ -1,0 +1,25 @@
+"""Events in a controller's stream (`controller/<controller_id>`): what it decided about itself."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+GraceReason = Literal[
+    "started",  # it began to take heartbeats in for the first time in this process
+    "reconnected",  # it came back to NATS after losing its connection
+]
+
+
+class ControllerGrace(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="controller.grace.v1"
+):
+    """The controller began to take heartbeats in. While none did, agents kept serving on
+    their last lease, so for `grace_s` it declares no node it has not heard from since suspect
+    or offline, and places replicas only on nodes it has heard from."""
+
+    controller_id: str
+    reason: GraceReason
+    grace_s: float
+    lease_s: float  # the longest lease a node may still hold from before
