@@ -183,6 +183,7 @@ async def run_controller(args: argparse.Namespace) -> int:
     from runtime.shutdown import run_until_signal
     from wire.nats_bus import NatsBus
     from wire.nats_commands import JetStreamCommandQueue
+    from wire.routing_log import ensure_routing_log
 
     from .controller import Controller, ControllerConfig
     from .outbox import OutboxPublisher
@@ -197,6 +198,7 @@ async def run_controller(args: argparse.Namespace) -> int:
         store = await SqliteEventStore.open(args.events_db)
         try:
             commands = await JetStreamCommandQueue.create(bus)
+            await ensure_routing_log(bus)
             env = real_env(store, bus=bus)
             config = ControllerConfig(
                 health=health_policy(args), compact_heartbeats_after=args.compact_heartbeats_after

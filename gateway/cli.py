@@ -6,6 +6,7 @@ import argparse
 import os
 import socket
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,7 @@ async def run_gateway(args: argparse.Namespace) -> int:
     from wire.commandline import credentials
     from wire.errors import CommandFailed
     from wire.nats_bus import NatsBus
+    from wire.routing_log import last_routing_table
 
     from .access_log import access_log_for
     from .auth import KeyFileError, KeyRing
@@ -202,7 +204,15 @@ async def run_gateway(args: argparse.Namespace) -> int:
             structlog.get_logger("gpumesh.gateway").bind(gateway=config.gateway_id),
             {"gateway": config.gateway_id},
         )
-        gateway = Gateway(bus, config, keys, clock=LoopClock(), rng=rng, access_log=access_log)
+        gateway = Gateway(
+            bus,
+            config,
+            keys,
+            clock=LoopClock(),
+            rng=rng,
+            access_log=access_log,
+            routing_log=partial(last_routing_table, bus),
+        )
         print(
             f"gateway: {config.transport} transport, NATS {url}, serving on "
             f"{'https' if config.tls_cert else 'http'}://{config.host}:{config.port}",

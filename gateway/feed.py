@@ -1,7 +1,8 @@
 """Keeps the gateway's routing table current: catch up on start, then follow live.
 
 The controller publishes the whole table on `gpumesh.v1.routing` whenever it changes and every
-few seconds besides; a gateway that starts (or reconnects) asks for it once with `routing.get`.
+few seconds besides; a gateway that starts (or reconnects) asks for it once with `routing.get`,
+and when no controller answers, takes the last table it published from JetStream.
 Tables carry their event-log position, and the router ignores older ones, so the order in which
 the answer and the live updates arrive does not matter. No request ever waits on this: requests
 read the router's in-memory table.
@@ -10,13 +11,14 @@ read the router's in-memory table.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
 from events.contract import subjects
 from events.contract.messages import ApiReply, RoutingUpdate
-from runtime.env import Bus, BusError, Msg
+from runtime.env import Bus, BusError, Msg, NoResponders, RequestTimeout
 
 from .dispatch import Dispatcher
 from .router import Router
@@ -35,8 +37,12 @@ class RoutingFeed:
         *,
         retry_s: float = 1.0,
         request_timeout: float = 5.0,
+        routing_log: Callable[[], Awaitable[bytes | None]] | None = None,
     ) -> None:
+        """`routing_log`: the last table the controller published, kept by JetStream
+        (wire/routing_log.py), read when no controller answers `routing.get`."""
         self._bus = bus
+        self._routing_log = routing_log
         self._router = router
         self._dispatcher = dispatcher
         self._log = log
@@ -73,13 +79,36 @@ class RoutingFeed:
     async def catch_up(self) -> None:
         """Ask the controller for the table now (start-up, and after a reconnect)."""
         data = msgspec.json.encode({})
-        reply = await self._bus.request(
-            subjects.api("routing.get"), data, timeout=self._request_timeout
-        )
+        try:
+            reply = await self._bus.request(
+                subjects.api("routing.get"), data, timeout=self._request_timeout
+            )
+        except (NoResponders, RequestTimeout):
+            if not await self._from_log():
+                raise
+            return
         answer = _REPLY.decode(reply.data)
         if not answer.ok:
             raise BusError(f"routing.get refused: {answer.error}")
         self._install(msgspec.convert(answer.data, RoutingUpdate))
+
+    async def _from_log(self) -> bool:
+        """No controller answers: the last table it published, if the log has one. The live
+        updates of the next controller replace it as soon as they come."""
+        if self._routing_log is None:
+            return False
+        data = await self._routing_log()
+        if data is None:
+            return False
+        update = _UPDATE.decode(data)
+        if not self.ready.is_set():
+            self._log.warning(
+                "routing_from_log",
+                detail="no controller answers; routing on the last table it published",
+                position=update.position,
+            )
+        self._install(update)
+        return True
 
     async def _on_reconnect(self) -> None:
         try:

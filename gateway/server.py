@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -74,7 +75,10 @@ class Gateway:
         rng: RandomSource,
         log: Any = None,
         access_log: AccessLog | None = None,
+        routing_log: Callable[[], Awaitable[bytes | None]] | None = None,
     ) -> None:
+        """`routing_log`: the last routing table, from JetStream (wire/routing_log.py), for a
+        start while no controller answers."""
         self.config = config
         self.bus = bus
         self.keys = keys
@@ -101,7 +105,9 @@ class Gateway:
             self.log,
             access_log,
         )
-        self.feed = RoutingFeed(bus, self.router, self.dispatcher, self.log)
+        self.feed = RoutingFeed(
+            bus, self.router, self.dispatcher, self.log, routing_log=routing_log
+        )
         self._suspicions: asyncio.Queue[Ejection] = asyncio.Queue(_SUSPICIONS_QUEUED)
         self.started = asyncio.Event()
         self.url = ""

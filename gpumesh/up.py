@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -100,6 +101,7 @@ async def run_up(args: argparse.Namespace) -> int:
     from wire.commandline import credentials, nats_for
     from wire.nats_bus import NatsBus
     from wire.nats_commands import JetStreamCommandQueue
+    from wire.routing_log import ensure_routing_log
 
     data_dir: Path = args.data_dir
     logs = data_dir / "logs"
@@ -117,6 +119,7 @@ async def run_up(args: argparse.Namespace) -> int:
         agents: list[asyncio.subprocess.Process] = []
         try:
             commands = await JetStreamCommandQueue.create(bus)
+            await ensure_routing_log(bus)
             policy = health_policy(args) if hasattr(args, "heartbeat_interval") else HealthPolicy()
             controller = Controller(
                 real_env(store, bus=bus), commands, ControllerConfig(health=policy)
@@ -315,6 +318,7 @@ def _gateway(args: argparse.Namespace, bus: Any) -> Any:
     from gateway.server import Gateway, GatewayConfig
     from runtime.real_env import LoopClock, seeded_rng_factory
     from wire.errors import CommandFailed
+    from wire.routing_log import last_routing_table
 
     try:
         host, port = parse_listen(args.gateway)
@@ -331,7 +335,15 @@ def _gateway(args: argparse.Namespace, bus: Any) -> Any:
         structlog.get_logger("gpumesh.gateway").bind(gateway=config.gateway_id),
         {"gateway": config.gateway_id},
     )
-    return Gateway(bus, config, keys, clock=LoopClock(), rng=rng, access_log=access_log)
+    return Gateway(
+        bus,
+        config,
+        keys,
+        clock=LoopClock(),
+        rng=rng,
+        access_log=access_log,
+        routing_log=partial(last_routing_table, bus),
+    )
 
 
 async def _started(gateway: Any, task: asyncio.Task[None]) -> None:

@@ -14,6 +14,7 @@ PREFIX = f"gpumesh.{VERSION}"
 # JetStream streams.
 EVENTS_STREAM = "GPUMESH_EVENTS"  # every committed event, for replay by integrators
 COMMANDS_STREAM = "GPUMESH_COMMANDS"  # durable per-node command queues
+ROUTING_STREAM = "GPUMESH_ROUTING"  # the last routing table, for a gateway with no controller
 
 # Headers of a message on the events stream (docs/subjects.md): the event's global position in
 # the log and its version in its stream. Only the controller's outbox sets them.

@@ -44,6 +44,8 @@ def permissions(role: Role, name: str) -> Permissions | None:
                 subjects.SUSPECT,
                 # The gateway's admin REST (/api/v1, admin keys only) calls the control API.
                 subjects.API_ALL,
+                # The last routing table, when no controller answers (wire/routing_log.py).
+                f"{JS_API}.STREAM.MSG.GET.{subjects.ROUTING_STREAM}",
             ),
             subscribe=(subjects.ROUTING, subjects.EVENTS_ALL, inbox),
         )

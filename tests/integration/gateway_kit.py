@@ -9,6 +9,7 @@ import random
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -21,6 +22,8 @@ from gateway.auth import KeyRing
 from gateway.server import Gateway, GatewayConfig
 from runtime.env import Bus, Msg
 from runtime.real_env import LoopClock
+from wire.nats_bus import NatsBus
+from wire.routing_log import last_routing_table
 
 
 class RoutingSource:
@@ -215,7 +218,15 @@ async def running_gateway(
     bus: Bus, config: GatewayConfig | None = None, keys: KeyRing | None = None, **overrides: Any
 ) -> AsyncIterator[Gateway]:
     config = config or GatewayConfig(gateway_id="gw-test", port=0, **overrides)
-    gateway = Gateway(bus, config, keys or KeyRing.open(), clock=LoopClock(), rng=random.Random(7))
+    routing_log = partial(last_routing_table, bus) if isinstance(bus, NatsBus) else None
+    gateway = Gateway(
+        bus,
+        config,
+        keys or KeyRing.open(),
+        clock=LoopClock(),
+        rng=random.Random(7),
+        routing_log=routing_log,
+    )
     task = asyncio.create_task(gateway.run())
     try:
         waiter = asyncio.ensure_future(gateway.started.wait())

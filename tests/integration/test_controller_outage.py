@@ -74,3 +74,22 @@ async def test_requests_keep_succeeding_while_the_controller_is_killed_and_back(
     assert stack.events("node.health_changed.v1", state="offline") == []
     graces = stack.events("controller.grace.v1")
     assert [g.payload.reason for g in graces] == ["started", "started"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(90)
+async def test_a_gateway_started_while_no_controller_runs_routes_on_the_last_table(
+    stack: Stack,
+) -> None:
+    await stack.create_cluster(echo_spec(2))
+    cluster = await serving(stack, 2)
+    await stack.kill_controller()
+    # No controller answers routing.get: the table comes from JetStream (wire/routing_log.py).
+    async with running_gateway(stack.bus) as gw, aiohttp.ClientSession() as session:
+        assert {r.replica_id for r in gw.router.routes("echo")} == {
+            r["replica_id"] for r in cluster["replicas"]
+        }
+        body = {"model": "echo", "messages": [{"role": "user", "content": "no controller"}]}
+        for _ in range(6):  # past a lease: the agents keep serving while nobody answers
+            async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            await asyncio.sleep(0.5)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import msgspec
+import nats.errors
 import nkeys
 import pytest
 from nats.js.api import ConsumerConfig
@@ -21,6 +22,7 @@ from wire.nats_access import Credentials, SecurityLayout, load_credentials
 from wire.nats_bus import BusUnavailable, NatsBus, NatsSubscription
 from wire.nats_commands import JetStreamCommandQueue, consumer_name
 from wire.nats_server import EmbeddedNats
+from wire.routing_log import ensure_routing_log, last_routing_table
 
 Connect = Callable[[str], Awaitable[NatsBus]]
 
@@ -260,3 +262,26 @@ async def _eventually_connect(server: EmbeddedNats, creds: Credentials) -> NatsB
                 return await NatsBus.connect(server.url, name=creds.name, credentials=creds)
             except BusUnavailable:
                 await asyncio.sleep(0.05)
+
+
+async def test_a_gateway_reads_the_last_routing_table_and_no_other_stream(
+    server: EmbeddedNats, connect: Connect, layout: SecurityLayout
+) -> None:
+    identities.issue(layout, "gw-2", "gateway")
+    server.reload()
+    gateway = await _eventually_connect(server, load_credentials(layout.creds("gw-2")))
+    try:
+        controller = await connect("controller")
+        await ensure_routing_log(controller)
+        await controller.publish(subjects.ROUTING, b'{"type": "routing_update.v1"}')
+        await controller.flush()
+        for _ in range(50):  # the stream captures the plain publish a moment later
+            if await last_routing_table(gateway) is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert await last_routing_table(gateway) == b'{"type": "routing_update.v1"}'
+        # The same request on another stream (the commands, say) is refused.
+        with pytest.raises((BusError, nats.errors.Error)):
+            await gateway.jetstream().get_last_msg(subjects.COMMANDS_STREAM, "x")
+    finally:
+        await gateway.close()
