@@ -37,6 +37,14 @@ controller, N agents with fake GPUs, real echo workloads. Health settings are th
         vllm-router if installed (on PATH, in --peers-venv, or installed there by
         --install-peers); otherwise each is skipped with the reason.
 
+    python bench/failover.py --clients 64 --controller-down 30 [--seconds 45] [--kill-at 5]
+        The controller, not a node: a fresh stack (3 agents, cluster `echo` of 3 paced
+        replicas advertised through the nodes' fencing fronts), the gateway, N clients as above;
+        at --kill-at s SIGKILL the controller, start it again 30 s later, and load on until
+        --seconds. Reported: what clients saw while it was down and after it came back (target:
+        0 failed before the first byte, no stream cut), offline verdicts and replicas placed
+        again (both 0: nothing moves), and the controller's grace events.
+
 --quick shrinks whichever mode runs, for CI (its figures are marked, not comparable): one run;
 4 agents for --soak too; --seconds 3 --kill-at 1.5 for --clients.
 
@@ -742,9 +750,9 @@ async def _proxied_run(
     trace_dir = workdir / "traces"
     # Workloads advertised at their own ports: nginx and vllm-router take host:port upstreams,
     # and every proxy is then measured against the same replicas (no node front in the way).
-    async with Stack(
-        workdir / "stack", agents=args.agents, agent_args=["--no-direct-fence"]
-    ) as stack:
+    # A controller outage is measured through the nodes' fences, which are what it tests.
+    fence = [] if args.controller_down > 0 else ["--no-direct-fence"]
+    async with Stack(workdir / "stack", agents=args.agents, agent_args=fence) as stack:
         await stack.create_cluster(_traced_spec(trace_dir))
         cluster = await _serving(stack, REPLICAS)
         replicas = cluster["replicas"]
@@ -752,7 +760,8 @@ async def _proxied_run(
         for r in replicas:
             per_node[r["node_id"]] += 1
         victim = next((r for r in replicas if per_node[r["node_id"]] == 1), replicas[0])
-        victim_port = int(victim["address"].rsplit(":", 1)[1])
+        # host:port, or host:port/replica/<id>/<epoch> behind a node's fencing front
+        victim_port = int(victim["address"].rsplit(":", 1)[1].split("/", 1)[0])
         addresses = [r["address"] for r in replicas]
         if name == "gateway":
             proxy = _start_gateway(stack, workdir, binary)
@@ -772,7 +781,16 @@ async def _proxied_run(
             await _sleep_until(start_at)
             cpu_start = _cpu_sample(proxy.popen.pid)
             await _sleep_until(start_at + int(args.kill_at * 1e9))
-            killed = await stack.kill_agent(victim["node_id"], with_workloads=True)
+            back_ns = 0
+            if args.controller_down > 0:
+                # The controller, not a node: SIGKILL it, and start it again after the outage.
+                at = await stack.kill_controller()
+                killed = Killed(node_id="controller", at_ns=at, agent_pid=0, workloads=())
+                await _sleep_until(at + int(args.controller_down * 1e9))
+                back_ns = time.time_ns()
+                await stack.start_controller()
+            else:
+                killed = await stack.kill_agent(victim["node_id"], with_workloads=True)
             await _sleep_until(start_at + int(args.seconds * 1e9))
             cpu_end = _cpu_sample(proxy.popen.pid)
             code = await asyncio.to_thread(load.wait, CLIENT_TIMEOUT_S + 60)
@@ -783,6 +801,9 @@ async def _proxied_run(
             metrics = await _scrape(proxy.url) if name == "gateway" else ""
         finally:
             proxy.stop()
+        if args.controller_down > 0:
+            header, records = read_load(workdir / "load.jsonl")
+            return _controller_outage(proxy, args, stack, header, records, killed.at_ns, back_ns)
         rid, epoch = victim["replica_id"], victim["epoch"]
         offline = next(
             iter(
@@ -850,6 +871,46 @@ async def _proxied_run(
     return result
 
 
+def _controller_outage(
+    proxy: _Proxy,
+    args: argparse.Namespace,
+    stack: Stack,
+    header: dict[str, int],
+    records: list[dict[str, Any]],
+    kill_ns: int,
+    back_ns: int,
+) -> dict[str, Any]:
+    """What clients saw while the controller was down and after it came back: the data
+    plane must not notice (target: 0 failed before the first byte, no stream cut)."""
+    down = [r for r in records if r["end_ns"] > kill_ns and r["start_ns"] < back_ns]
+    after = [r for r in records if r["start_ns"] >= back_ns]
+
+    def failures(rs: list[dict[str, Any]]) -> dict[str, int]:
+        return {
+            "sent": len(rs),
+            "succeeded": sum(1 for r in rs if _ok(r)),
+            "failed_before_first_byte": sum(1 for r in rs if r["status"] != 200),
+            "streams_cut": sum(1 for r in rs if r["stream"] and r["status"] == 200 and not _ok(r)),
+        }
+
+    placed_again = [e for e in stack.events("replica.placed.v1") if payload(e)["epoch"] > 1]
+    return {
+        "proxy": proxy.name,
+        "proxy_setup": proxy.detail,
+        "failure": "controller SIGKILL",
+        "clients": args.clients,
+        "seconds": args.seconds,
+        "kill_at_s": round((kill_ns - header["started_ns"]) / 1e9, 3),
+        "controller_down_s": round((back_ns - kill_ns) / 1e9, 3),
+        "while_down": failures(down) | _window(down, kill_ns, back_ns),
+        "after_back": failures(after) | _window(after, back_ns, header["ended_ns"]),
+        "all": failures(records),
+        "offline_verdicts": len(stack.events("node.health_changed.v1", state="offline")),
+        "replicas_placed_again": len(placed_again),
+        "grace_events": len(stack.events("controller.grace.v1")),
+    }
+
+
 async def proxied(args: argparse.Namespace) -> dict[str, Any]:
     available = _available(args)
     runs: list[dict[str, Any]] = []
@@ -893,6 +954,38 @@ async def proxied(args: argparse.Namespace) -> dict[str, Any]:
         "summary": _summarise(runs),
         "skipped": skipped,
     }
+
+
+async def controller_outages(args: argparse.Namespace) -> dict[str, Any]:
+    """`--controller-down S`: through the gateway only (the nodes' fences answer for it)."""
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="gpumesh-controller-outage-") as tmp:
+        workdir = Path(args.keep) if args.keep else Path(tmp)
+        for i in range(args.runs):
+            run = await _proxied_run("gateway", sys.executable, workdir / f"run-{i + 1}", args)
+            run["run"] = i + 1
+            runs.append(run)
+            if not args.json:
+                _print_outage(run)
+    return {"mode": "controller-outage", "agents": args.agents, "replicas": REPLICAS, "runs": runs}
+
+
+def _print_outage(run: dict[str, Any]) -> None:
+    print(
+        f"  run {run['run']}: {run['clients']} clients (half streaming), controller SIGKILLed at "
+        f"{run['kill_at_s']:g} s, back after {run['controller_down_s']:g} s"
+    )
+    for label, key in (("while down", "while_down"), ("after back", "after_back")):
+        w = run[key]
+        print(
+            f"    {label:<10}  {w['sent']:>6} sent  {w['succeeded']:>6} ok  "
+            f"failed before first byte {w['failed_before_first_byte']} (target 0)  "
+            f"streams cut {w['streams_cut']}  p50 {_ms(w['p50_ms'])}  p99 {_ms(w['p99_ms'])}"
+        )
+    print(
+        f"    offline verdicts {run['offline_verdicts']}, replicas placed again "
+        f"{run['replicas_placed_again']}, grace events {run['grace_events']}"
+    )
 
 
 def _summarise(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -1088,6 +1181,13 @@ def main() -> int:
         "--kill-at", type=float, default=5.0, help="s into the load (default 5)"
     )
     proxied_mode.add_argument(
+        "--controller-down",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="kill the controller (not a node) at --kill-at, and start it again S s later",
+    )
+    proxied_mode.add_argument(
         "--proxies",
         default=",".join(PROXIES),
         help=f"comma-separated, of {', '.join(PROXIES)} (default all)",
@@ -1105,6 +1205,19 @@ def main() -> int:
     apply_quick(parser, args, **QUICK)
     configure_logging(level="warning", json=False, stream=sys.stderr)
     announce(args, json_output=args.json)
+    if args.clients > 0 and args.controller_down > 0:
+        args.agents = args.agents or 3
+        args.runs = args.runs or 1
+        if args.kill_at + args.controller_down >= args.seconds:
+            parser.error("--kill-at + --controller-down must fall inside --seconds")
+        result = mark(args, asyncio.run(controller_outages(args)))
+        if args.json:
+            print(json.dumps(result, indent=2))
+        met = all(
+            r["all"]["failed_before_first_byte"] == 0 and r["all"]["streams_cut"] == 0
+            for r in result["runs"]
+        )
+        return 0 if met else 1
     if args.clients > 0:
         args.agents = args.agents or 4
         args.runs = args.runs or 1

@@ -27,6 +27,7 @@ QUICK=(
     "sim.py"
     "failover.py"
     "failover.py --clients 4"
+    "failover.py --clients 4 --controller-down 2 --seconds 6"
     "gateway.py"
     "crashloop.py"
     "soak.py"
