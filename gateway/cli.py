@@ -169,21 +169,44 @@ def config_from(args: argparse.Namespace) -> Any:
     )
 
 
-async def run_gateway(args: argparse.Namespace) -> int:
-    import sys
-
+def real_gateway(args: argparse.Namespace, bus: Any, config: Any, keys: Any) -> Any:
+    """A Gateway on the real clock, a random seed, the access log the command's log options
+    ask for, and the routing log on JetStream (`gpumesh gateway` and `gpumesh up` alike)."""
     import structlog
 
     from runtime.real_env import LoopClock, seeded_rng_factory
+    from wire.routing_log import last_routing_table
+
+    from .access_log import access_log_for
+    from .server import Gateway
+
+    rng = seeded_rng_factory(int.from_bytes(os.urandom(8), "big"))("gateway")
+    access_log = access_log_for(
+        getattr(args, "log_format", "auto"),
+        getattr(args, "log_level", "info"),
+        structlog.get_logger("gpumesh.gateway").bind(gateway=config.gateway_id),
+        {"gateway": config.gateway_id},
+    )
+    return Gateway(
+        bus,
+        config,
+        keys,
+        clock=LoopClock(),
+        rng=rng,
+        access_log=access_log,
+        routing_log=partial(last_routing_table, bus),
+    )
+
+
+async def run_gateway(args: argparse.Namespace) -> int:
+    import sys
+
     from runtime.shutdown import run_until_signal
     from wire.commandline import credentials
     from wire.errors import CommandFailed
     from wire.nats_bus import NatsBus
-    from wire.routing_log import last_routing_table
 
-    from .access_log import access_log_for
     from .auth import KeyFileError, KeyRing
-    from .server import Gateway
 
     try:
         config = config_from(args)
@@ -197,22 +220,7 @@ async def run_gateway(args: argparse.Namespace) -> int:
         credentials=credentials(args, url, "gateway"),
     )
     try:
-        rng = seeded_rng_factory(int.from_bytes(os.urandom(8), "big"))("gateway")
-        access_log = access_log_for(
-            getattr(args, "log_format", "auto"),
-            getattr(args, "log_level", "info"),
-            structlog.get_logger("gpumesh.gateway").bind(gateway=config.gateway_id),
-            {"gateway": config.gateway_id},
-        )
-        gateway = Gateway(
-            bus,
-            config,
-            keys,
-            clock=LoopClock(),
-            rng=rng,
-            access_log=access_log,
-            routing_log=partial(last_routing_table, bus),
-        )
+        gateway = real_gateway(args, bus, config, keys)
         print(
             f"gateway: {config.transport} transport, NATS {url}, serving on "
             f"{'https' if config.tls_cert else 'http'}://{config.host}:{config.port}",

@@ -14,7 +14,6 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -310,15 +309,10 @@ async def _demo(bus: Any, controller: Any, stop: asyncio.Event) -> None:
 
 
 def _gateway(args: argparse.Namespace, bus: Any) -> Any:
-    import structlog
-
-    from gateway.access_log import access_log_for
     from gateway.auth import KeyFileError, KeyRing
-    from gateway.cli import parse_listen
-    from gateway.server import Gateway, GatewayConfig
-    from runtime.real_env import LoopClock, seeded_rng_factory
+    from gateway.cli import parse_listen, real_gateway
+    from gateway.server import GatewayConfig
     from wire.errors import CommandFailed
-    from wire.routing_log import last_routing_table
 
     try:
         host, port = parse_listen(args.gateway)
@@ -328,22 +322,7 @@ def _gateway(args: argparse.Namespace, bus: Any) -> Any:
     config = GatewayConfig(
         gateway_id=f"gw-up-{os.getpid()}", host=host, port=port, transport=args.transport
     )
-    rng = seeded_rng_factory(int.from_bytes(os.urandom(8), "big"))("gateway")
-    access_log = access_log_for(
-        getattr(args, "log_format", "auto"),
-        getattr(args, "log_level", "info"),
-        structlog.get_logger("gpumesh.gateway").bind(gateway=config.gateway_id),
-        {"gateway": config.gateway_id},
-    )
-    return Gateway(
-        bus,
-        config,
-        keys,
-        clock=LoopClock(),
-        rng=rng,
-        access_log=access_log,
-        routing_log=partial(last_routing_table, bus),
-    )
+    return real_gateway(args, bus, config, keys)
 
 
 async def _started(gateway: Any, task: asyncio.Task[None]) -> None:

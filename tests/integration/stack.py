@@ -35,7 +35,8 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -673,3 +674,16 @@ def _matches(envelope: Envelope, match: Mapping[str, Any]) -> bool:
 
 
 _MISSING = object()
+
+
+@asynccontextmanager
+async def started_stack(root: Path, agents: int, nats_binary: Path) -> AsyncIterator[Stack]:
+    """A Stack started with `agents` agents, all healthy; on exit, every process it started
+    must be gone (the teardown asserts it)."""
+    stack = Stack(root, agents=agents, nats_binary=nats_binary)
+    try:
+        await stack.start()
+        yield stack
+    finally:
+        left = await stack.close()
+        assert left == [], f"processes survived the teardown: {left}"

@@ -20,9 +20,9 @@ import aiohttp
 import pytest
 
 from tests.integration.gateway_kit import running_gateway, until
-from tests.integration.stack import Stack, echo_spec
+from tests.integration.stack import Stack, echo_spec, started_stack
 from tests.integration.test_failover_processes import serving
-from tests.integration.test_gateway_stack import _client
+from tests.integration.test_gateway_stack import start_clients
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -31,13 +31,8 @@ DOWN_S = 8.0  # more than three leases (2.4 s each) and the offline window
 
 @pytest.fixture
 async def stack(tmp_path: Path, nats_server_binary: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path / "stack", agents=3, nats_binary=nats_server_binary)
-    try:
-        await s.start()
+    async with started_stack(tmp_path / "stack", 3, nats_server_binary) as s:
         yield s
-    finally:
-        left = await s.close()
-        assert left == [], f"processes survived the teardown: {left}"
 
 
 @pytest.mark.timeout(120)
@@ -52,8 +47,7 @@ async def test_requests_keep_succeeding_while_the_controller_is_killed_and_back(
         stop = asyncio.Event()
         log: list[Any] = []
         async with aiohttp.ClientSession() as session, asyncio.TaskGroup() as tasks:
-            for i in range(8):
-                tasks.create_task(_client(session, gw.url, i % 2 == 1, stop, log))
+            start_clients(tasks, session, gw.url, stop, log)
             await asyncio.sleep(1.0)
             await stack.kill_controller()
             killed_at = time.monotonic()

@@ -25,7 +25,7 @@ import pytest
 from events.envelope import Envelope
 from nodeagent.config import RestartPolicy
 from runtime.env import BusError
-from tests.integration.stack import ApiError, Stack, Workload, echo_spec, pid_alive
+from tests.integration.stack import ApiError, Stack, Workload, echo_spec, pid_alive, started_stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,13 +35,8 @@ REPLICAS = 3
 
 @pytest.fixture
 async def stack(tmp_path: Path, nats_server_binary: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path / "stack", agents=AGENTS, nats_binary=nats_server_binary)
-    try:
-        await s.start()
+    async with started_stack(tmp_path / "stack", AGENTS, nats_server_binary) as s:
         yield s
-    finally:
-        left = await s.close()
-        assert left == [], f"processes survived the teardown: {left}"
 
 
 # -- helpers ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from tests.integration.gateway_kit import running_gateway, until
-from tests.integration.stack import Stack, echo_spec
+from tests.integration.stack import Stack, echo_spec, started_stack
 from tests.integration.test_failover_processes import serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -25,13 +25,21 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 @pytest.fixture
 async def stack(tmp_path: Path, nats_server_binary: Path) -> AsyncIterator[Stack]:
-    s = Stack(tmp_path / "stack", agents=4, nats_binary=nats_server_binary)
-    try:
-        await s.start()
+    async with started_stack(tmp_path / "stack", 4, nats_server_binary) as s:
         yield s
-    finally:
-        left = await s.close()
-        assert left == [], f"processes survived the teardown: {left}"
+
+
+def start_clients(
+    tasks: asyncio.TaskGroup,
+    session: aiohttp.ClientSession,
+    url: str,
+    stop: asyncio.Event,
+    log: list[Any],
+    count: int = 8,
+) -> None:
+    """`count` closed-loop clients, every other one streaming, until `stop`."""
+    for i in range(count):
+        tasks.create_task(_client(session, url, i % 2 == 1, stop, log))
 
 
 async def _client(
@@ -63,8 +71,7 @@ async def test_clients_see_no_errors_when_a_node_loses_power(stack: Stack) -> No
         stop = asyncio.Event()
         log: list[Any] = []
         async with aiohttp.ClientSession() as session, asyncio.TaskGroup() as tasks:
-            for i in range(8):
-                tasks.create_task(_client(session, gw.url, i % 2 == 1, stop, log))
+            start_clients(tasks, session, gw.url, stop, log)
             await asyncio.sleep(1.0)
             victim = cluster["replicas"][0]
             await stack.kill_agent(victim["node_id"], with_workloads=True)

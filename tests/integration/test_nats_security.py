@@ -180,9 +180,7 @@ async def test_a_node_consumes_its_own_commands(connect: Connect) -> None:
 async def test_tunnel_replies_flow_from_node_to_gateway(
     server: EmbeddedNats, connect: Connect, layout: SecurityLayout
 ) -> None:
-    identities.issue(layout, "gw-1", "gateway")
-    server.reload()
-    gateway = await _eventually_connect(server, load_credentials(layout.creds("gw-1")))
+    gateway = await _new_identity(server, layout, "gw-1", "gateway")
     try:
         node_a = await connect("node-a")
         requests = await node_a.subscribe(subjects.tunnel("node-a"))
@@ -254,6 +252,15 @@ async def test_a_revoked_node_is_cut_off(
     assert node_a.is_connected
 
 
+async def _new_identity(
+    server: EmbeddedNats, layout: SecurityLayout, name: str, role: identities.Role
+) -> NatsBus:
+    """Issue `name` a `role` identity, reload the server, and connect as it."""
+    identities.issue(layout, name, role)
+    server.reload()
+    return await _eventually_connect(server, load_credentials(layout.creds(name)))
+
+
 async def _eventually_connect(server: EmbeddedNats, creds: Credentials) -> NatsBus:
     """A reload is asynchronous in the server: retry briefly until the new user is known."""
     async with asyncio.timeout(10):
@@ -267,9 +274,7 @@ async def _eventually_connect(server: EmbeddedNats, creds: Credentials) -> NatsB
 async def test_a_gateway_reads_the_last_routing_table_and_no_other_stream(
     server: EmbeddedNats, connect: Connect, layout: SecurityLayout
 ) -> None:
-    identities.issue(layout, "gw-2", "gateway")
-    server.reload()
-    gateway = await _eventually_connect(server, load_credentials(layout.creds("gw-2")))
+    gateway = await _new_identity(server, layout, "gw-2", "gateway")
     try:
         controller = await connect("controller")
         await ensure_routing_log(controller)
