@@ -117,7 +117,7 @@ class OutboxPublisher:
         )
 
     async def ensure_stream(self) -> None:
-        await ensure_stream(self._js, self.stream_config())
+        await ensure_stream(self._js, self.stream_config(), replicas=self.bus.stream_replicas)
         self._stream_ready = True
 
     async def run(self) -> None:

@@ -76,8 +76,17 @@ def inbox_prefix(role: Role, name: str) -> str:
 
 
 def secure_url(url: str) -> str:
-    """nats:// -> tls://, so nats-py starts TLS; other schemes are left as they are."""
-    return "tls://" + url.removeprefix("nats://") if url.startswith("nats://") else url
+    """nats:// -> tls://, so nats-py starts TLS; other schemes are left as they are. Each of
+    a comma-separated list of servers is converted."""
+    return ",".join(
+        "tls://" + one.removeprefix("nats://") if one.startswith("nats://") else one
+        for one in server_list(url)
+    )
+
+
+def server_list(url: str) -> list[str]:
+    """`a,b,c` -> the servers, in order (nats-py's convention for a cluster); blanks dropped."""
+    return [one.strip() for one in url.split(",") if one.strip()]
 
 
 class SecurityLayout:

@@ -33,7 +33,7 @@ from runtime.env import (
 )
 
 from .errors import WireError
-from .nats_access import Credentials, secure_url
+from .nats_access import Credentials, secure_url, server_list
 
 log = structlog.get_logger("gpumesh.nats")
 
@@ -267,8 +267,10 @@ class NatsBus:
     ) -> NatsBus:
         """Connect once, failing fast with BusUnavailable; after that, reconnect forever.
 
-        `credentials`: this identity's NKEY and the CA to trust (a secured server: TLS and
-        per-role permissions); None for a server without authentication."""
+        `url` may name several servers of a cluster, comma-separated: the first connection
+        tries them, and a lost connection moves to another (nats-py also learns the others a
+        cluster advertises). `credentials`: this identity's NKEY and the CA to trust (a secured
+        server: TLS and per-role permissions); None for a server without authentication."""
         client = Client()
         secured: dict[str, Any] = {}
         if credentials is not None:
@@ -283,7 +285,7 @@ class NatsBus:
             # client meeting a server that requires TLS was seen waiting forever.
             async with asyncio.timeout(deadline):
                 await client.connect(
-                    servers=[url],
+                    servers=server_list(url),
                     name=name,
                     connect_timeout=connect_timeout,  # type: ignore[arg-type]
                     allow_reconnect=False,
@@ -329,6 +331,20 @@ class NatsBus:
     @property
     def is_connected(self) -> bool:
         return bool(self._nc.is_connected)
+
+    @property
+    def cluster_size(self) -> int:
+        """How many servers the connected server says its cluster has (1 when it is alone)."""
+        info = self._nc._server_info  # nats-py keeps the server's INFO, with no public getter
+        if not info.get("cluster"):
+            return 1
+        return max(1, len(info.get("connect_urls") or ()))
+
+    @property
+    def stream_replicas(self) -> int:
+        """Copies a stream of ours should keep: 3 on a cluster of three or more servers (it
+        survives the loss of one), else one per server."""
+        return min(3, self.cluster_size)
 
     @property
     def max_payload(self) -> int:
@@ -476,9 +492,13 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
             raise
 
 
-async def ensure_stream(js: JetStreamContext, config: StreamConfig) -> StreamInfo:
-    """Create the stream, or bring an existing one to `config`. JetStream refuses some changes
-    (the retention policy, for one); those, like an unreachable server, raise BusError."""
+async def ensure_stream(
+    js: JetStreamContext, config: StreamConfig, *, replicas: int = 1
+) -> StreamInfo:
+    """Create the stream, or bring an existing one to `config`, with `replicas` copies (a
+    cluster's `NatsBus.stream_replicas`). JetStream refuses some changes (the retention policy,
+    for one); those, like an unreachable server, raise BusError."""
+    config.num_replicas = replicas
     try:
         try:
             info: StreamInfo = await js.add_stream(config)

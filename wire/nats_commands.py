@@ -159,7 +159,7 @@ class JetStreamCommandQueue:
         )
 
     async def ensure_stream(self) -> None:
-        await ensure_stream(self._js, self.stream_config())
+        await ensure_stream(self._js, self.stream_config(), replicas=self._bus.stream_replicas)
 
     async def send(self, node_id: str, command: Command) -> None:
         """Store the command for `node_id` and wait for JetStream's ack. A resend of the same

@@ -17,6 +17,7 @@ import re
 import shutil
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
@@ -123,6 +124,30 @@ def find_nats_server() -> Path:
     return Path(found)
 
 
+@dataclass(frozen=True, slots=True)
+class ClusterMember:
+    """One server's part in a cluster: its name, the cluster's name, the port it takes routes
+    on, and the route URLs of its peers. JetStream in a cluster needs both names."""
+
+    server_name: str
+    cluster_name: str
+    route_port: int
+    peers: tuple[str, ...]
+    host: str = LOOPBACK
+
+    @property
+    def route_url(self) -> str:
+        return f"nats://{self.host}:{self.route_port}"
+
+    def args(self) -> list[str]:
+        return [
+            "--server_name", self.server_name,
+            "--cluster_name", self.cluster_name,
+            "--cluster", self.route_url,
+            "--routes", ",".join(self.peers),
+        ]  # fmt: skip
+
+
 class EmbeddedNats:
     """One nats-server with JetStream storing in `store_dir`, listening on `host` only.
 
@@ -142,9 +167,12 @@ class EmbeddedNats:
         ready_timeout: float = 10.0,
         stop_timeout: float = 5.0,
         config_file: Path | None = None,
+        cluster: ClusterMember | None = None,
     ) -> None:
         """`config_file`: a nats.conf that requires TLS and NKEY users (gpumesh/security
-        writes it); the URL then starts with tls://. Host, port and JetStream stay flags."""
+        writes it); the URL then starts with tls://. Host, port and JetStream stay flags.
+        `cluster`: this server's place in a cluster of servers joined by routes
+        (NatsCluster)."""
         self.store_dir = Path(store_dir)
         self.host = host
         self.log_path = self.store_dir / "nats-server.log"
@@ -156,6 +184,7 @@ class EmbeddedNats:
         self._stop_timeout = stop_timeout
         self._process: asyncio.subprocess.Process | None = None
         self._log_file: IO[bytes] | None = None
+        self.cluster = cluster
 
     @property
     def port(self) -> int:
@@ -211,6 +240,8 @@ class EmbeddedNats:
         ]  # fmt: skip
         if self.config_file is not None:
             args += ["-c", str(self.config_file)]
+        if self.cluster is not None:
+            args += self.cluster.args()
         try:
             process = await asyncio.create_subprocess_exec(
                 str(binary),

@@ -37,7 +37,7 @@ def routing_log_config() -> StreamConfig:
 
 async def ensure_routing_log(bus: NatsBus) -> None:
     """Create the stream (the controller's side, once, at start-up)."""
-    await ensure_stream(bus.jetstream(), routing_log_config())
+    await ensure_stream(bus.jetstream(), routing_log_config(), replicas=bus.stream_replicas)
 
 
 async def last_routing_table(bus: NatsBus) -> bytes | None:

@@ -51,6 +51,7 @@ from events.contract.messages import ApiReply
 from events.envelope import Envelope
 from runtime.env import BusError
 from wire.nats_bus import NatsBus
+from wire.nats_cluster import NatsCluster
 from wire.nats_server import EmbeddedNats
 
 T = TypeVar("T")
@@ -231,7 +232,10 @@ class Stack:
         agent_args: Sequence[str] = (),
         nats_binary: Path | None = None,
         python: str = sys.executable,
+        nats_servers: int = 1,
     ) -> None:
+        """`nats_servers`: 1, or a cluster of that many (`self.nats_cluster`) that every process
+        dials by the list of their URLs."""
         self.root = Path(root)
         self.logs = self.root / "logs"
         self.db_path = self.root / "events.db"
@@ -243,7 +247,16 @@ class Stack:
         self.agent_args = list(agent_args)
         self.python = python
         self.marker = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.nats = EmbeddedNats(self.root / "nats", binary=nats_binary)
+        self.nats_cluster = (
+            NatsCluster(self.root / "nats", size=nats_servers, binary=nats_binary)
+            if nats_servers > 1
+            else None
+        )
+        self.nats = (
+            self.nats_cluster.servers[0]
+            if self.nats_cluster is not None
+            else EmbeddedNats(self.root / "nats", binary=nats_binary)
+        )
         self.controller: _Child | None = None
         self.agents: dict[str, _Child] = {}
         self._reaped: list[_Child] = []  # killed children, waited for
@@ -273,7 +286,7 @@ class Stack:
 
     @property
     def url(self) -> str:
-        return self.nats.url
+        return self.nats_cluster.urls if self.nats_cluster is not None else self.nats.url
 
     @property
     def bus(self) -> NatsBus:
@@ -286,7 +299,7 @@ class Stack:
         healthy. On failure the caller must still close() (the context manager does)."""
         atexit.register(self._emergency_kill)
         self.logs.mkdir(parents=True, exist_ok=True)
-        await self.nats.start()
+        await (self.nats_cluster.start() if self.nats_cluster else self.nats.start())
         self._bus = await NatsBus.connect(self.url, name="gpumesh-test-stack", reconnect_wait=0.1)
         await self.start_controller(timeout=timeout)
         for node_id in self.node_ids:
@@ -324,7 +337,7 @@ class Stack:
             with contextlib.suppress(Exception):
                 await self._bus.close()
             self._bus = None
-        await self.nats.stop()
+        await (self.nats_cluster.stop() if self.nats_cluster else self.nats.stop())
         atexit.unregister(self._emergency_kill)
         return left
 
@@ -334,9 +347,11 @@ class Stack:
             if child is not None:
                 _kill_group(child.pid)
         kill_marked(self.marker, timeout=2.0)
-        if self.nats.pid is not None:  # in our own process group: not marked, not a leader
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.nats.pid, signal.SIGKILL)
+        servers = self.nats_cluster.servers if self.nats_cluster else [self.nats]
+        for server in servers:  # in our own process group: not marked, not a leader
+            if server.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.pid, signal.SIGKILL)
 
     def _spawn(self, name: str, argv: list[str], log_name: str) -> _Child:
         log_path = self.logs / log_name
