@@ -63,8 +63,24 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help="delete heartbeat events older than this (each node's latest is kept; "
         "no projection changes); default: keep them all",
     )
+    ctl.add_argument(
+        "--controller-id",
+        metavar="ID",
+        help="this controller's name in the leader lease and its event stream (default: the "
+        "host name and the process id)",
+    )
     _health_args(ctl)
     ctl.set_defaults(handler=run_controller, daemon=True)
+    about = ctl.add_subparsers(dest="controller_command", metavar="SUBCOMMAND")
+    status = about.add_parser(
+        "status",
+        parents=common,
+        help="who leads, since when, at which term",
+        description="The controller that holds the leader lease (a JetStream key every "
+        "controller campaigns for), since when, at which term, and how fresh its lease is.",
+    )
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(handler=run_controller, daemon=False)
 
     cluster = commands.add_parser(
         "cluster",
@@ -178,39 +194,112 @@ def health_policy(args: argparse.Namespace) -> HealthPolicy:
 
 
 async def run_controller(args: argparse.Namespace) -> int:
-    from events.sqlite_store import SqliteEventStore
-    from runtime.real_env import real_env
+    if getattr(args, "controller_command", None) == "status":
+        return await controller_status(args)
+    import structlog
+
+    from runtime.real_env import LoopClock
     from runtime.shutdown import run_until_signal
     from wire.nats_bus import NatsBus
-    from wire.nats_commands import JetStreamCommandQueue
-    from wire.routing_log import ensure_routing_log
 
-    from .controller import Controller, ControllerConfig
-    from .outbox import OutboxPublisher
+    from .leader_kv import KvLease
+    from .leadership import Leadership
 
     args.data_dir.mkdir(parents=True, exist_ok=True)
+    controller_id = args.controller_id or _default_controller_id()
     async with nats_for(
         args.data_dir, args.nats, secure=not args.insecure, listen=args.nats_listen
     ) as url:
         bus = await NatsBus.connect(
             url, name="gpumesh-controller", credentials=credentials(args, url, "controller")
         )
-        store = await SqliteEventStore.open(args.events_db)
         try:
-            commands = await JetStreamCommandQueue.create(bus)
-            await ensure_routing_log(bus)
-            env = real_env(store, bus=bus)
-            config = ControllerConfig(
-                health=health_policy(args), compact_heartbeats_after=args.compact_heartbeats_after
+            log = structlog.get_logger("gpumesh.leadership")
+            leadership = Leadership(KvLease(bus), LoopClock(), controller_id, log=log)
+            print(
+                f"controller: NATS {url}, event log {args.events_db}; {controller_id} leads "
+                "once it holds the lease (`gpumesh controller status`)",
+                file=sys.stderr,
             )
-            controller = Controller(env, commands, config)
-            outbox = OutboxPublisher(store, bus)
-            print(f"controller: NATS {url}, event log {args.events_db}", file=sys.stderr)
-            await run_until_signal(controller.run(extra=[outbox.run]))
+            await run_until_signal(leadership.run(lambda term: _lead(args, bus, controller_id)))
         finally:
-            await store.close()
             await bus.close()
     return 0
+
+
+async def _lead(args: argparse.Namespace, bus: Any, controller_id: str) -> None:
+    """One term: the event log opened, the controller run, until the term ends."""
+    from events.sqlite_store import SqliteEventStore
+    from runtime.real_env import real_env
+    from wire.nats_commands import JetStreamCommandQueue
+    from wire.routing_log import ensure_routing_log
+
+    from .controller import Controller, ControllerConfig
+    from .outbox import OutboxPublisher
+
+    store = await SqliteEventStore.open(args.events_db)
+    try:
+        commands = await JetStreamCommandQueue.create(bus)
+        await ensure_routing_log(bus)
+        config = ControllerConfig(
+            health=health_policy(args),
+            compact_heartbeats_after=args.compact_heartbeats_after,
+            controller_id=controller_id,
+        )
+        controller = Controller(real_env(store, bus=bus), commands, config)
+        await controller.run(extra=[OutboxPublisher(store, bus).run])
+    finally:
+        await store.close()
+
+
+def _default_controller_id() -> str:
+    """This host's name and the process id, as a stream id ([A-Za-z0-9_-])."""
+    import os
+    import re
+    import socket
+
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:80] or "host"
+    return f"{host}-{os.getpid()}"
+
+
+async def controller_status(args: argparse.Namespace) -> int:
+    """Who leads, since when, at which term; from the lease itself."""
+    import time
+
+    from wire.nats_bus import NatsBus
+
+    from .leader_kv import KvLease
+
+    url = find_nats_url(args.data_dir, getattr(args, "nats", None))
+    bus = await NatsBus.connect(
+        url, name="gpumesh-cli", credentials=credentials(args, url, "admin")
+    )
+    try:
+        found = await KvLease(bus).leader()
+    finally:
+        await bus.close()
+    if found is None:
+        data: dict[str, Any] = {"leader": None}
+        text = (
+            f"no controller holds the lease on {url} (none is running, or it runs inside "
+            "`gpumesh up`, which takes none)"
+        )
+        return _emit(args, data, text)
+    record, revision = found
+    now = time.time_ns()
+    data = {
+        "leader": record.controller_id,
+        "term": record.term or revision,
+        "since_ns": record.since_ns,
+        "renewed_s_ago": round((now - (record.renewed_ns or record.since_ns)) / 1e9, 3),
+        "lease_revision": revision,
+    }
+    led_for = round((now - record.since_ns) / 1e9, 1)
+    text = (
+        f"leader {record.controller_id}, term {data['term']}, leading for {led_for} s, "
+        f"renewed {data['renewed_s_ago']} s ago"
+    )
+    return _emit(args, data, text)
 
 
 # -- control API clients -----------------------------------------------------------------

@@ -162,6 +162,7 @@ class Controller:
             await self._serve_all(extra)
         finally:
             self.silence.close()
+            self.env.bus.remove_reconnect_callback(self._on_bus_back)
 
     async def _serve_all(self, extra: list[Callable[[], Coroutine[Any, Any, None]]] | None) -> None:
         async with ActorSystem(self.env) as system, asyncio.TaskGroup() as tasks:
@@ -234,15 +235,22 @@ class Controller:
                 await self.replica(replica_id, cluster.spec if cluster else None)
 
     async def _serve(self, sub: Any, handler: Callable[[Msg], Awaitable[None]]) -> None:
-        async for msg in sub:
-            try:
-                await handler(msg)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                self._drop("garbage", msg, str(exc))
-            except EventStoreError as exc:
-                # A full disk refuses the write this message needed (a registration); the
-                # sender retries, and serving everything else goes on.
-                self._drop("store_error", msg, str(exc))
+        try:
+            async for msg in sub:
+                try:
+                    await handler(msg)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    self._drop("garbage", msg, str(exc))
+                except EventStoreError as exc:
+                    # A full disk refuses the write this message needed (a registration);
+                    # the sender retries, and serving everything else goes on.
+                    self._drop("store_error", msg, str(exc))
+        finally:
+            # The connection may outlive this controller (a leader that steps down keeps
+            # its process): a subscription left behind would swallow heartbeats that must
+            # now find nobody, so that agents keep their lease.
+            with contextlib.suppress(BusError):
+                await sub.unsubscribe()
 
     def _heartbeats_lost(self, kind: str, count: int, detail: str) -> None:
         self._drop(f"heartbeat_{kind}", None, detail, count)

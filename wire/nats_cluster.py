@@ -15,6 +15,7 @@ from types import TracebackType
 from typing import Self
 
 import nats.errors
+from nats.js.api import StorageType, StreamConfig
 
 from .nats_server import LOOPBACK, ClusterMember, EmbeddedNats, NatsServerError
 
@@ -74,7 +75,7 @@ class NatsCluster:
         """Start every server, and return once JetStream answers: a server is ready before
         its routes are up, and JetStream before its meta group has elected a leader."""
         await asyncio.gather(*(server.start() for server in self.servers))
-        await wait_for_jetstream(self.urls, timeout=timeout)
+        await wait_for_jetstream(self.urls, replicas=min(3, len(self.servers)), timeout=timeout)
 
     async def stop(self) -> None:
         await asyncio.gather(*(server.stop() for server in self.servers))
@@ -96,21 +97,32 @@ class NatsCluster:
         await self.stop()
 
 
-async def wait_for_jetstream(urls: str, *, timeout: float = 30.0) -> None:
-    """Until JetStream answers an account-info request through `urls` (a cluster elects its
-    meta leader a second or more after its servers start)."""
+async def wait_for_jetstream(urls: str, *, replicas: int = 1, timeout: float = 30.0) -> None:
+    """Until JetStream can place a stream of `replicas` copies through `urls`: a server is
+    ready before its routes are up, and JetStream before its meta group has elected a leader
+    and learnt its peers. A throwaway in-memory stream is created and deleted to find out."""
     from .nats_bus import NatsBus
 
     bus = await NatsBus.connect(urls, name="gpumesh-cluster-check", reconnect_wait=0.1)
+    probe = StreamConfig(
+        name="GPUMESH_READY",
+        subjects=["gpumesh.ready"],
+        storage=StorageType.MEMORY,
+        num_replicas=replicas,
+    )
     try:
         async with asyncio.timeout(timeout):
             while True:
+                js = bus.jetstream(timeout=2.0)
                 try:
-                    await bus.jetstream(timeout=1.0).account_info()
+                    await js.add_stream(probe)
+                    await js.delete_stream("GPUMESH_READY")
                     return
                 except nats.errors.Error:
                     await asyncio.sleep(0.1)
     except TimeoutError:
-        raise NatsServerError(f"JetStream did not answer on {urls} within {timeout:g} s") from None
+        raise NatsServerError(
+            f"JetStream could not place {replicas} replicas on {urls} within {timeout:g} s"
+        ) from None
     finally:
         await bus.close()

@@ -264,6 +264,7 @@ class Stack:
         self._events: list[Envelope] = []  # non-heartbeat events read so far, in order
         self._read_to = 0  # highest position in _events
         self._controller_starts = 0
+        self.standbys: list[_Child] = []  # controllers started by start_standby
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -321,7 +322,9 @@ class Stack:
         if self._closed:
             return []
         self._closed = True
-        children = [c for c in (self.controller, *self.agents.values()) if c is not None]
+        children = [
+            c for c in (self.controller, *self.standbys, *self.agents.values()) if c is not None
+        ]
         # Workloads first found while their agents still live (afterwards they are orphans,
         # still found by the marker).
         doomed = [w.pid for w in workloads(self.marker)]
@@ -343,7 +346,7 @@ class Stack:
 
     def _emergency_kill(self) -> None:
         """atexit: the test process is going down without close() (a hard interrupt)."""
-        for child in (self.controller, *self.agents.values()):
+        for child in (self.controller, *self.standbys, *self.agents.values()):
             if child is not None:
                 _kill_group(child.pid)
         kill_marked(self.marker, timeout=2.0)
@@ -390,6 +393,23 @@ class Stack:
             "controller", argv, f"controller-{self._controller_starts}.log"
         )
         await self.wait_until(self._controller_answers, timeout=timeout, why="controller API")
+
+    def start_standby(self, name: str) -> _Child:
+        """A second controller on the same data dir, named `name`: it stands by while the
+        first holds the leader lease, and leads when it cannot. Killed with the stack."""
+        argv = [
+            self.python, "-m", "gpumesh", "controller",
+            "--nats", self.url,
+            "--data-dir", str(self.root),
+            "--controller-id", name,
+            "--log-format", "json",
+            "--heartbeat-interval", f"{self.heartbeat_interval:g}",
+            "--offline-after", str(self.offline_after),
+            *self.controller_args,
+        ]  # fmt: skip
+        child = self._spawn("controller", argv, f"controller-{name}.log")
+        self.standbys.append(child)
+        return child
 
     async def _controller_answers(self) -> bool:
         if self.controller is not None and self.controller.popen.poll() is not None:

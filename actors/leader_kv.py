@@ -1,0 +1,109 @@
+"""The controllers' leader lease on JetStream (actors/leadership.py decides; this only writes).
+
+A KV key is a subject of a stream that keeps one message per subject; that is all this is,
+written directly so that each write can carry its own time to live (nats-server 2.11+ per
+message TTL, which nats-py's KV wrapper does not pass on an update): create-if-absent is a
+publish expecting the subject's last sequence to be 0, a renewal one expecting the sequence it
+last wrote, and a hand-over deletes its own message, by sequence, if it is still the last."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+import nats.errors
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError, NotFoundError
+
+from wire.nats_bus import NatsBus, describe, ensure_stream
+
+from .errors import ControllerError
+from .leadership import LeaderRecord, LeaseLost, LeaseTaken
+
+STREAM: Final = "GPUMESH_LEADER"
+SUBJECT: Final = "gpumesh.v1.leader.controller"
+_EXPECTED_LAST_SUBJECT_SEQUENCE: Final = "Nats-Expected-Last-Subject-Sequence"
+_WRONG_LAST_SEQUENCE: Final = (10071, 10164)  # JetStream's codes for a failed expectation
+_NO_MESSAGE: Final = 10057  # "no message found": the sequence was deleted or expired
+_RECORD = msgspec.json.Decoder(LeaderRecord)
+
+
+class KvLease:
+    """The lease on `SUBJECT` in `STREAM`, created on first use with as many copies as the
+    cluster allows (NatsBus.stream_replicas)."""
+
+    def __init__(self, bus: NatsBus, *, timeout: float = 5.0) -> None:
+        self._bus = bus
+        self._js = bus.jetstream(timeout=timeout)
+        self._ready = False
+
+    async def _stream(self) -> None:
+        if not self._ready:
+            config = StreamConfig(
+                name=STREAM,
+                description="gpumesh: which controller leads (docs/operations.md)",
+                subjects=[SUBJECT],
+                storage=StorageType.FILE,
+                max_msgs_per_subject=1,
+                discard=DiscardPolicy.OLD,
+                allow_msg_ttl=True,
+            )
+            await ensure_stream(self._js, config, replicas=self._bus.stream_replicas)
+            self._ready = True
+
+    async def _write(self, value: bytes, last: int, ttl_s: float, lost: ControllerError) -> int:
+        await self._stream()
+        try:
+            ack = await self._js.publish(
+                SUBJECT,
+                value,
+                headers={_EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)},
+                msg_ttl=ttl_s,
+            )
+        except APIError as exc:
+            if exc.err_code in _WRONG_LAST_SEQUENCE:
+                raise lost from None
+            raise ControllerError(f"cannot write the lease: {describe(exc)}") from exc
+        except nats.errors.Error as exc:
+            raise ControllerError(f"cannot write the lease: {describe(exc)}") from exc
+        return int(ack.seq)
+
+    async def create(self, value: bytes, ttl_s: float) -> int:
+        return await self._write(value, 0, ttl_s, LeaseTaken("another controller holds it"))
+
+    async def renew(self, value: bytes, revision: int, ttl_s: float) -> int:
+        lost = LeaseLost(f"the lease is no longer at revision {revision}")
+        return await self._write(value, revision, ttl_s, lost)
+
+    async def read(self) -> tuple[bytes, int] | None:
+        await self._stream()
+        try:
+            found = await self._js.get_last_msg(STREAM, SUBJECT)
+        except NotFoundError:
+            return None
+        except nats.errors.Error as exc:
+            raise ControllerError(f"cannot read the lease: {describe(exc)}") from exc
+        if not found.data or found.seq is None:
+            return None
+        return found.data, int(found.seq)
+
+    async def release(self, revision: int) -> None:
+        await self._stream()
+        try:
+            await self._js.delete_msg(STREAM, revision)
+        except NotFoundError:
+            pass  # taken over since, or expired: not ours to delete any more
+        except APIError as exc:
+            if exc.err_code != _NO_MESSAGE:
+                raise ControllerError(f"cannot release the lease: {describe(exc)}") from exc
+        except nats.errors.Error as exc:
+            raise ControllerError(f"cannot release the lease: {describe(exc)}") from exc
+
+    async def leader(self) -> tuple[LeaderRecord, int] | None:
+        """Who leads, from the lease's last write, and that write's revision; None when
+        nobody does."""
+        found = await self.read()
+        if found is None:
+            return None
+        value, revision = found
+        return _RECORD.decode(value), revision

@@ -1,0 +1,197 @@
+"""Which controller leads: a lease on one key with a time to live, taken by whoever creates the
+key first, kept by renewing it at the revision it last wrote, and given up when it cannot be.
+
+No home-made consensus: the key lives in a JetStream KV bucket (wire/leader_kv.py), whose
+create-if-absent and update-at-revision are the only decisions made. A leadership is a
+**term**, the revision at which the key was created: it grows with every takeover, so it can
+fence what an older leader still tries to do (commands carry it; agents drop older ones).
+
+A leader stops acting at its own expiry, a time to live after it *sent* its last successful
+renewal: the server counts the key's time to live from when it stored that renewal, later, so
+a leader that is paused, partitioned or slow has stopped before the key can expire on the
+server and a standby can create it again. Timing comes from the injected clock, so the same
+code runs on the simulator's virtual time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from runtime.env import Clock
+
+from .errors import ControllerError
+
+
+class LeaseTaken(ControllerError):
+    """Another controller holds the lease."""
+
+
+class LeaseLost(ControllerError):
+    """The lease is not at the revision this controller last wrote: someone took it over."""
+
+
+class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The lease's value: who leads, and since when (wall clock, ns)."""
+
+    controller_id: str
+    since_ns: int
+    renewed_ns: int = 0
+    term: int = 0  # the revision the lease was created at; 0 in that first write itself
+
+
+class LeaseBackend(Protocol):
+    """The key the lease lives on (a JetStream KV key; a dict on virtual time in tests)."""
+
+    async def create(self, value: bytes, ttl_s: float) -> int:
+        """Write the key if it is absent (or expired); its revision. LeaseTaken otherwise."""
+        ...
+
+    async def renew(self, value: bytes, revision: int, ttl_s: float) -> int:
+        """Write the key if its latest revision is `revision`; the new one. LeaseLost
+        otherwise (it expired and was taken, or was deleted)."""
+        ...
+
+    async def read(self) -> tuple[bytes, int] | None:
+        """The key's value and revision, or None when it is absent or expired."""
+        ...
+
+    async def release(self, revision: int) -> None:
+        """Delete the key if its latest revision is still `revision` (a clean hand-over)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseTiming:
+    ttl_s: float = 3.0  # the key's time to live on the server
+    renew_s: float = 1.0  # a leader renews this often
+    poll_s: float = 0.25  # a standby looks this often
+
+
+Role = Literal["standby", "leader"]
+
+Lead = Callable[[int], Coroutine[Any, Any, None]]
+"""What a leader does for its term (the controller's run); cancelled when it steps down."""
+
+
+class Leadership:
+    def __init__(
+        self,
+        backend: LeaseBackend,
+        clock: Clock,
+        controller_id: str,
+        *,
+        timing: LeaseTiming | None = None,
+        log: Any = None,
+    ) -> None:
+        self._backend = backend
+        self._clock = clock
+        self.controller_id = controller_id
+        self.timing = timing or LeaseTiming()
+        self._log = log
+        self.role: Role = "standby"
+        self.term = 0
+        self.terms_led = 0
+        self.stepped_down: list[str] = []  # why, each time this controller gave a term up
+        self._since_ns = 0
+
+    async def run(self, lead: Lead) -> None:
+        """Campaign, lead while the lease holds, step down when it does not, and campaign
+        again; until cancelled, when a leader releases the key for a standby to take at once."""
+        while True:
+            revision = await self._campaign()
+            reason = await self._lead(lead, revision)
+            self.stepped_down.append(reason)
+            self._say("leadership_lost", term=revision, reason=reason)
+
+    async def _campaign(self) -> int:
+        """Until this controller creates the key: its revision, the new term."""
+        while True:
+            now_ns = self._clock.wall_ns()
+            record = LeaderRecord(
+                controller_id=self.controller_id, since_ns=now_ns, renewed_ns=now_ns
+            )
+            try:
+                revision = await self._backend.create(
+                    msgspec.json.encode(record), self.timing.ttl_s
+                )
+            except LeaseTaken:
+                await asyncio.sleep(self.timing.poll_s)
+                continue
+            except ControllerError as exc:
+                # NATS cannot take the write now (a new stream electing its leader, a server
+                # going away): no one can lead through it either; ask again shortly.
+                self._say("lease_unavailable", error=str(exc))
+                await asyncio.sleep(self.timing.poll_s)
+                continue
+            self.role, self.term, self._since_ns = "leader", revision, now_ns
+            self.terms_led += 1
+            self._say("leadership_won", term=revision)
+            return revision
+
+    async def _lead(self, lead: Lead, revision: int) -> str:
+        """Run `lead` for the term while renewing; cancel it and return why when the lease
+        cannot be held (taken over, or not renewed before this controller's own expiry)."""
+        timing = self.timing
+        expires = self._clock.monotonic() + timing.ttl_s
+        task = asyncio.create_task(lead(revision), name=f"leader-term-{revision}")
+        reason = ""
+        try:
+            while not reason:
+                if task.done():
+                    reason = "the leader's work ended"
+                    break
+                sent = self._clock.monotonic()
+                try:
+                    async with asyncio.timeout(max(0.0, expires - sent)):
+                        revision = await self._renew(revision)
+                    expires = sent + timing.ttl_s
+                except LeaseLost:
+                    reason = "another controller holds the lease"
+                    break
+                except TimeoutError:
+                    reason = "the lease was not renewed before it expired"
+                    break
+                except ControllerError as exc:  # the backend's own failures, as ours
+                    self._say("lease_renew_failed", error=str(exc))
+                await asyncio.sleep(timing.renew_s)
+        except asyncio.CancelledError:
+            # Stopped (SIGTERM): the work first, so that nothing of this term is still
+            # writing when the key is released and a standby takes over at once.
+            await _stop(task)
+            await self._release(revision)
+            raise
+        finally:
+            self.role = "standby"
+            await _stop(task)
+        return reason
+
+    async def _renew(self, revision: int) -> int:
+        record = LeaderRecord(
+            controller_id=self.controller_id,
+            since_ns=self._since_ns,
+            renewed_ns=self._clock.wall_ns(),
+            term=self.term,
+        )
+        return await self._backend.renew(msgspec.json.encode(record), revision, self.timing.ttl_s)
+
+    async def _release(self, revision: int) -> None:
+        with contextlib.suppress(ControllerError, TimeoutError):
+            async with asyncio.timeout(self.timing.renew_s):
+                await self._backend.release(revision)
+        self._say("leadership_released", term=self.term)
+
+    def _say(self, event: str, **fields: object) -> None:
+        if self._log is not None:
+            self._log.info(event, controller=self.controller_id, **fields)
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
