@@ -1,0 +1,378 @@
+"""The JetStream calls the store makes, on a connected nats-py client, with every failure turned
+into the store's own errors at this boundary.
+
+nats-py has no API for atomic batches, batch direct gets or purges with a subject and a
+sequence bound; all three are plain requests with headers or JSON, made here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Final, NamedTuple
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.api import StorageType, StreamConfig
+
+from events.errors import EventStoreError, StoreFull, StoreIOError
+
+from .options import JetStreamOptions
+
+# JetStream error codes the store acts on.
+WRONG_LAST_SEQUENCE: Final = 10071
+BATCH_INCOMPLETE: Final = 10176
+BATCH_DUPLICATE_MSG_ID: Final = 10201
+STREAM_NOT_FOUND: Final = 10059
+# Account or server storage exhausted, or the stream's own limit reached.
+_FULL_CODES: Final = frozenset({10023, 10028, 10047})
+_FULL_WORDS: Final = ("exceeded", "insufficient")
+
+_PAGE: Final = 5000  # messages asked for per batch direct get
+
+
+class ApiError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class PubAck(msgspec.Struct):
+    stream: str = ""
+    seq: int = 0
+    duplicate: bool = False
+    error: ApiError | None = None
+
+
+class _StreamState(msgspec.Struct):
+    messages: int = 0
+    last_seq: int = 0
+
+
+class _StreamInfo(msgspec.Struct):
+    state: _StreamState = msgspec.field(default_factory=_StreamState)
+    error: ApiError | None = None
+
+
+class _Purged(msgspec.Struct):
+    purged: int = 0
+    success: bool = False
+    error: ApiError | None = None
+
+
+_ack_decoder = msgspec.json.Decoder(PubAck)
+_info_decoder = msgspec.json.Decoder(_StreamInfo)
+_purge_decoder = msgspec.json.Decoder(_Purged)
+_json = msgspec.json.Encoder()
+
+
+def api_failure(options: JetStreamOptions, error: ApiError) -> EventStoreError:
+    description = " ".join(error.description.split())
+    if error.err_code in _FULL_CODES or any(w in description for w in _FULL_WORDS):
+        return StoreFull(f"NATS stream {options.stream}")
+    return StoreIOError(
+        f"event store on NATS stream {options.stream}: {description} (error {error.err_code})"
+    )
+
+
+@contextlib.contextmanager
+def translated(options: JetStreamOptions) -> Iterator[None]:
+    """nats-py's exceptions never leave the store: callers see StoreIOError instead."""
+    try:
+        yield
+    except nats.js.errors.APIError as exc:
+        raise api_failure(
+            options, ApiError(exc.code or 0, exc.err_code or 0, exc.description or "")
+        ) from exc
+    except (TimeoutError, nats.errors.Error, OSError) as exc:
+        raise _transport_failure(options, exc) from exc
+
+
+def _transport_failure(options: JetStreamOptions, exc: BaseException) -> StoreIOError:
+    where = f"event store on NATS stream {options.stream}"
+    if isinstance(exc, nats.errors.NoRespondersError):
+        return StoreIOError(
+            f"{where}: JetStream did not answer (no responders: is JetStream enabled on the "
+            "server?)"
+        )
+    if isinstance(exc, TimeoutError):  # nats-py's TimeoutError is one too
+        return StoreIOError(
+            f"{where}: no answer within {options.request_timeout_s:g} s (is the server reachable?)"
+        )
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return StoreIOError(f"{where}: {text}")
+
+
+@dataclass(slots=True)
+class Page:
+    """What one batch direct get brought back, and how many matching messages lie past it."""
+
+    done: asyncio.Future[None]
+    messages: list[Msg] = field(default_factory=list)
+    pending: int = 0
+
+
+class Sent(NamedTuple):
+    token: str
+    ack: asyncio.Future[Msg]
+
+
+def sequence_of(msg: Msg) -> int:
+    return int(msg.headers["Nats-Sequence"]) if msg.headers else 0
+
+
+def subject_of(msg: Msg) -> str:
+    return msg.headers["Nats-Subject"] if msg.headers else ""
+
+
+class Api:
+    """Requests to one stream, and batch direct gets through one reply subscription."""
+
+    def __init__(self, nc: Client, options: JetStreamOptions) -> None:
+        self.nc = nc
+        self.options = options
+        self._timeout = options.request_timeout_s
+        self._direct = f"$JS.API.DIRECT.GET.{options.stream}"
+        self._inbox = ""
+        self._sub: Subscription | None = None
+        self._pages: dict[str, Page] = {}
+        self._acks: dict[str, asyncio.Future[Msg]] = {}
+        self._deadlines: collections.deque[tuple[float, str]] = collections.deque()
+        self._expiry: asyncio.Task[None] | None = None
+        self._next_token = 0
+
+    async def start(self) -> None:
+        self._inbox = self.nc.new_inbox()
+        with translated(self.options):
+            self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        self._expiry = asyncio.get_running_loop().create_task(self._expire())
+
+    async def stop(self) -> None:
+        expiry, self._expiry = self._expiry, None
+        if expiry is not None:
+            expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expiry
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(nats.errors.Error, OSError):
+                await sub.unsubscribe()
+
+    @property
+    def token_source(self) -> str:
+        """Unique to this store object: its batch ids are built from it."""
+        return self._inbox.rpartition(".")[2]
+
+    # ------------------------------------------------------------------ the stream itself
+
+    async def ensure_stream(self) -> None:
+        """Create the stream, or switch on what the store needs on an existing one."""
+        o = self.options
+        js = self.nc.jetstream(timeout=self._timeout)
+        with translated(o):
+            try:
+                info = await js.stream_info(o.stream)
+            except nats.js.errors.NotFoundError:
+                await js.add_stream(
+                    StreamConfig(
+                        name=o.stream,
+                        subjects=[o.filter],
+                        storage=StorageType(o.storage),
+                        num_replicas=o.replicas,
+                        duplicate_window=o.duplicate_window_s,
+                        allow_direct=True,
+                        allow_atomic=True,
+                    )
+                )
+                return
+            config = info.config
+            if o.filter not in (config.subjects or []):
+                raise StoreIOError(
+                    f"NATS stream {o.stream} exists without the subject {o.filter} "
+                    f"(it has {config.subjects}): choose another stream name or prefix"
+                )
+            if not (config.allow_direct and config.allow_atomic):
+                config.allow_direct = True
+                config.allow_atomic = True
+                await js.update_stream(config)
+
+    async def last_sequence(self) -> tuple[int, int]:
+        """(last sequence, message count) of the stream, from its leader."""
+        data = await self._call(f"$JS.API.STREAM.INFO.{self.options.stream}", b"")
+        info = _info_decoder.decode(data)
+        if info.error is not None:
+            raise api_failure(self.options, info.error)
+        return info.state.last_seq, info.state.messages
+
+    async def purge(self, subject: str, below_seq: int) -> int:
+        """Remove the subject's messages with a sequence below `below_seq`; how many went."""
+        request = _json.encode({"filter": subject, "seq": below_seq})
+        data = await self._call(f"$JS.API.STREAM.PURGE.{self.options.stream}", request)
+        purged = _purge_decoder.decode(data)
+        if purged.error is not None:
+            raise api_failure(self.options, purged.error)
+        return purged.purged
+
+    async def delete(self, seq: int) -> bool:
+        request = _json.encode({"seq": seq, "no_erase": True})
+        data = await self._call(f"$JS.API.STREAM.MSG.DELETE.{self.options.stream}", request)
+        purged = _purge_decoder.decode(data)
+        if purged.error is not None:
+            if purged.error.code == 404 or "not found" in purged.error.description:
+                return False
+            raise api_failure(self.options, purged.error)
+        return purged.success
+
+    async def _call(self, subject: str, payload: bytes) -> bytes:
+        with translated(self.options):
+            msg = await self.nc.request(subject, payload, timeout=self._timeout)
+        return bytes(msg.data)
+
+    # ------------------------------------------------------------------ writes
+
+    async def send(self, subject: str, data: bytes, hdrs: dict[str, str]) -> Sent:
+        """Queue a publish on the connection and return at once, its acknowledgement to be
+        awaited with `acked`: publishes sent one after another leave in that order."""
+        loop = asyncio.get_running_loop()
+        sent = Sent(self._token(), loop.create_future())
+        self._acks[sent.token] = sent.ack
+        self._deadlines.append((loop.time() + self._timeout, sent.token))
+        try:
+            await self.nc.publish(subject, data, reply=f"{self._inbox}.{sent.token}", headers=hdrs)
+        except (nats.errors.Error, OSError) as exc:
+            del self._acks[sent.token]
+            raise _transport_failure(self.options, exc) from exc
+        return sent
+
+    async def send_only(self, subject: str, data: bytes, hdrs: dict[str, str]) -> None:
+        """Queue a publish nobody answers (a batch's messages before its commit)."""
+        try:
+            await self.nc.publish(subject, data, headers=hdrs)
+        except (nats.errors.Error, OSError) as exc:
+            raise _transport_failure(self.options, exc) from exc
+
+    async def acked(self, sent: Sent) -> PubAck:
+        """Wait for a publish's acknowledgement; JetStream's refusals come back in `error`,
+        for the writer to act on."""
+        try:
+            msg = await sent.ack
+        except TimeoutError:
+            raise _transport_failure(self.options, TimeoutError()) from None
+        finally:
+            self._acks.pop(sent.token, None)
+        if msg.headers and msg.headers.get("Status") == "503":
+            raise StoreIOError(
+                f"event store on NATS stream {self.options.stream}: no stream takes "
+                "publishes on its subjects (no responders)"
+            )
+        try:
+            return _ack_decoder.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            raise StoreIOError(
+                f"event store on NATS stream {self.options.stream}: not a publish "
+                f"acknowledgement: {bytes(msg.data)[:80]!r}"
+            ) from exc
+
+    async def _expire(self) -> None:
+        """Fail the acknowledgements overdue. One task for all of them: a timer per publish
+        costs more than the publish (every deadline is the same distance ahead, so they
+        expire in the order they were set)."""
+        loop = asyncio.get_running_loop()
+        deadlines = self._deadlines
+        while True:
+            await asyncio.sleep(min(0.25, self._timeout / 4))
+            now = loop.time()
+            while deadlines and deadlines[0][0] <= now:
+                _, token = deadlines.popleft()
+                ack = self._acks.get(token)
+                if ack is not None and not ack.done():
+                    ack.set_exception(TimeoutError())
+
+    def _token(self) -> str:
+        self._next_token += 1
+        return str(self._next_token)
+
+    # ------------------------------------------------------------------ reads
+
+    async def get_one(self, request: dict[str, Any]) -> Msg | None:
+        """A single direct get (`seq` or `last_by_subj`); None when there is no such message."""
+        with translated(self.options):
+            msg = await self.nc.request(self._direct, _json.encode(request), timeout=self._timeout)
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None:
+            return msg
+        if status == "404":
+            return None
+        raise self._status_failure(msg)
+
+    async def read(self, start: int, limit: int, subject: str | None = None) -> list[Msg]:
+        """Messages from sequence `start` on (of `subject` only, if given), at most `limit`."""
+        found: list[Msg] = []
+        seq = start
+        while len(found) < limit:
+            want = min(limit - len(found), _PAGE)
+            request: dict[str, Any] = {"seq": seq, "batch": want}
+            if subject is not None:
+                request["next_by_subj"] = subject
+            page = await self._page(request)
+            found += page.messages
+            if not page.messages or (len(page.messages) < want and page.pending == 0):
+                break
+            seq = sequence_of(page.messages[-1]) + 1
+        return found
+
+    async def _page(self, request: dict[str, Any]) -> Page:
+        if self._sub is None:
+            raise StoreIOError(f"event store on NATS stream {self.options.stream}: not started")
+        token = self._token()
+        page = Page(asyncio.get_running_loop().create_future())
+        self._pages[token] = page
+        try:
+            with translated(self.options):
+                await self.nc.publish(
+                    self._direct, _json.encode(request), reply=f"{self._inbox}.{token}"
+                )
+                async with asyncio.timeout(self._timeout):
+                    await page.done
+        finally:
+            del self._pages[token]
+        return page
+
+    async def _on_reply(self, msg: Msg) -> None:
+        token = msg.subject.rpartition(".")[2]
+        ack = self._acks.get(token)
+        if ack is not None:
+            if not ack.done():
+                ack.set_result(msg)
+            return
+        page = self._pages.get(token)
+        if page is None or page.done.done():
+            return  # a reply after its request timed out
+        status = msg.headers.get("Status") if msg.headers else None
+        if status is None:
+            page.messages.append(msg)
+        elif status in ("204", "404"):  # end of the batch; nothing (more) to read
+            page.pending = int(msg.headers.get("Nats-Num-Pending", 0)) if msg.headers else 0
+            page.done.set_result(None)
+        else:
+            page.done.set_exception(self._status_failure(msg))
+
+    def _status_failure(self, msg: Msg) -> StoreIOError:
+        hdrs = msg.headers or {}
+        status = hdrs.get("Status", "")
+        if status == "503":
+            return StoreIOError(
+                f"event store on NATS stream {self.options.stream}: no server answers direct "
+                "gets (no responders: is JetStream enabled and the stream there?)"
+            )
+        return StoreIOError(
+            f"event store on NATS stream {self.options.stream}: direct get failed: "
+            f"{status} {hdrs.get('Description', '')}".rstrip()
+        )
