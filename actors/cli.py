@@ -221,13 +221,15 @@ async def run_controller(args: argparse.Namespace) -> int:
                 "once it holds the lease (`gpumesh controller status`)",
                 file=sys.stderr,
             )
-            await run_until_signal(leadership.run(lambda term: _lead(args, bus, controller_id)))
+            await run_until_signal(
+                leadership.run(lambda term: _lead(args, bus, controller_id, term))
+            )
         finally:
             await bus.close()
     return 0
 
 
-async def _lead(args: argparse.Namespace, bus: Any, controller_id: str) -> None:
+async def _lead(args: argparse.Namespace, bus: Any, controller_id: str, term: int) -> None:
     """One term: the event log opened, the controller run, until the term ends."""
     from events.sqlite_store import SqliteEventStore
     from runtime.real_env import real_env
@@ -245,6 +247,7 @@ async def _lead(args: argparse.Namespace, bus: Any, controller_id: str) -> None:
             health=health_policy(args),
             compact_heartbeats_after=args.compact_heartbeats_after,
             controller_id=controller_id,
+            term=term,
         )
         controller = Controller(real_env(store, bus=bus), commands, config)
         await controller.run(extra=[OutboxPublisher(store, bus).run])

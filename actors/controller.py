@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -19,6 +19,7 @@ import msgspec
 from events import ClusterSpec, stream_of
 from events.contract import subjects
 from events.contract.messages import (
+    Command,
     Heartbeat,
     HeartbeatAck,
     Register,
@@ -30,7 +31,7 @@ from events.contract.messages import (
 )
 from events.controller import ControllerGrace, GraceReason
 from events.errors import EventStoreError
-from runtime.command_queue import CommandQueue
+from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import BusError, Env, Msg, RandomSource
 from runtime.supervision import SupervisionPolicy
 from runtime.system import ActorRef, ActorSystem
@@ -66,6 +67,9 @@ class ControllerConfig:
     heartbeat_burst: float = 20.0
     drop_log_interval: float = 1.0  # at most one "message_dropped" line per kind this often
     controller_id: str = "controller"  # names its stream, `controller/<id>`
+    # The leadership term this controller runs in (actors/leadership.py); 0 when it holds no
+    # lease. Its commands and leases carry it, and agents drop those of older terms.
+    term: int = 0
 
 
 class Controller:
@@ -73,8 +77,8 @@ class Controller:
         self, env: Env, commands: CommandQueue, config: ControllerConfig | None = None
     ) -> None:
         self.env = env
-        self.commands = commands
         self.config = config or ControllerConfig()
+        self.commands = _InTerm(commands, self.config.term) if self.config.term else commands
         self.live = LiveState(env.store)
         self.placement_lock = asyncio.Lock()
         self.dropped: Counter[str] = Counter()  # garbage and unroutable messages, by kind
@@ -315,6 +319,7 @@ class Controller:
             node_id=hb.node_id,
             seq=hb.seq,
             lease_s=health.lease_s,  # HealthPolicy.lease_s: why it ends before a replacement
+            term=self.config.term,
             replicas=self._leases().get(hb.node_id, ()),
         )
         try:
@@ -491,3 +496,17 @@ class Controller:
                 },
             )
         )
+
+
+class _InTerm:
+    """The command queue, every command stamped with this controller's term on its way out."""
+
+    def __init__(self, queue: CommandQueue, term: int) -> None:
+        self._queue = queue
+        self._term = term
+
+    async def send(self, node_id: str, command: Command) -> None:
+        await self._queue.send(node_id, msgspec.structs.replace(command, term=self._term))
+
+    def consume(self, node_id: str) -> AsyncIterator[Delivery]:
+        return self._queue.consume(node_id)

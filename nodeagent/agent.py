@@ -119,6 +119,7 @@ class Agent:
         self._lease_s = 0.0  # the length of the last lease a controller granted
         self._leased: frozenset[tuple[str, int]] = frozenset()
         self.controller_absent = False  # heartbeats find no controller (we are connected)
+        self.term = 0  # the newest leadership term heard of (commands and leases carry it)
         self._lease_changed = asyncio.Event()  # replaced after each new lease
         self._last_sample: tuple[tuple[GpuMetrics, ...], str] = ((), "")
 
@@ -314,6 +315,8 @@ class Agent:
         sent = self._sent_at.get(ack.seq)
         if ack.node_id != self.config.node_id or sent is None or ack.seq <= self._lease_seq:
             return  # not ours, too old, or overtaken by a newer ack
+        if not self._current_term(ack.term):
+            return  # a deposed leader's: it may no longer hold these replicas current
         if self._lease_until is None:
             self._log.info("lease_granted", lease_s=ack.lease_s)
         if self.controller_absent:
@@ -325,6 +328,14 @@ class Agent:
         self._leased = frozenset((r.replica_id, r.epoch) for r in ack.replicas)
         changed, self._lease_changed = self._lease_changed, asyncio.Event()
         changed.set()
+
+    def _current_term(self, term: int) -> bool:
+        """Whether what a controller of `term` says may be acted on: not when a later term has
+        been seen (term 0: a controller that holds no lease, whose word always counts)."""
+        if term and term < self.term:
+            return False
+        self.term = max(self.term, term)
+        return True
 
     def _on_no_controller(self) -> None:
         """NATS answered a heartbeat with "no responders": we are connected, and nobody takes
@@ -439,6 +450,11 @@ class Agent:
         log = self._log.bind(
             command=command.command_id, replica=f"{command.replica_id}@{command.epoch}"
         )
+        if not self._current_term(command.term):
+            # A deposed leader's: the one that leads now sends what still holds, again.
+            log.warning("command_from_old_term", term=command.term, current=self.term)
+            await self._ack(delivery)
+            return
         if command.command_id in self._seen_commands:
             log.info("command_duplicate")
         elif isinstance(command, StartReplica):

@@ -44,9 +44,12 @@ class MemoryCommandQueue:
             # The same refusal as the JetStream queue, so tests catch what production would.
             raise ValueError(f"invalid node id {node_id!r}: use 1-128 of [A-Za-z0-9_-]")
         q = self._queue(node_id)
-        if command.command_id in q.ids:
+        # Per term, as the JetStream queue's Nats-Msg-Id: a new leader's re-send of what an
+        # older one sent is a command of its own.
+        key = f"{command.command_id}@{command.term}"
+        if key in q.ids:
             return
-        q.ids.add(command.command_id)
+        q.ids.add(key)
         q.commands.append(command)
         q.changed.set()
 

@@ -190,7 +190,9 @@ class JetStreamCommandQueue:
             _encoder.encode(command),
             timeout=self.request_timeout,
             stream=subjects.COMMANDS_STREAM,
-            headers={"Nats-Msg-Id": command.command_id},
+            # Per term: a new leader's re-send of a command an older one sent (the agent drops
+            # the older one) must not be taken for a duplicate of it.
+            headers={"Nats-Msg-Id": f"{command.command_id}@{command.term}"},
         )
 
     def consume(self, node_id: str) -> AsyncGenerator[JetStreamDelivery, None]:

@@ -83,6 +83,7 @@ class HeartbeatAck(
     seq: int  # the heartbeat's
     lease_s: float
     replicas: tuple[ReplicaLease, ...] = ()
+    term: int = 0  # as StartReplica.term: a lease from an older term than one seen is ignored
 
 
 class ReplicaReport(
@@ -103,6 +104,9 @@ class StartReplica(
     spec: ClusterSpec
     gpu_indices: tuple[int, ...] = ()
     port: int = 0
+    # The leadership term of the controller that sent it (0: one that holds no lease). An
+    # agent drops a command from a term older than one it has seen: a deposed leader's.
+    term: int = 0
 
 
 class StopReplica(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cmd.stop.v1"):
@@ -111,6 +115,7 @@ class StopReplica(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     epoch: int
     reason: str = ""
     grace_s: float = 10.0
+    term: int = 0  # as StartReplica.term
 
 
 Command: TypeAlias = StartReplica | StopReplica

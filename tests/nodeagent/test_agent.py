@@ -13,7 +13,14 @@ import pytest
 from structlog.testing import capture_logs
 
 from events.contract import subjects
-from events.contract.messages import Command, Fault, RegisterReply, ReplicaState, StartReplica
+from events.contract.messages import (
+    Command,
+    Fault,
+    HeartbeatAck,
+    RegisterReply,
+    ReplicaState,
+    StartReplica,
+)
 from nodeagent.config import AgentConfig, RestartPolicy
 from nodeagent.gpu import Inventory, ProbeError
 from nodeagent.workload.fake import SIGKILL_EXIT, SIGTERM_EXIT, FakeDriver
@@ -747,5 +754,51 @@ def test_a_lapsed_lease_stays_lapsed_when_no_controller_answers() -> None:
             assert "lapsed" in h.agent.fenced("r1", 1)
             h.grant_leases()
             await wait_until(lambda: h.agent.fenced("r1", 1) == "")
+
+    simulate(scenario())
+
+
+# -- leadership terms: a deposed leader's word no longer counts ------------------------------
+
+
+def test_a_command_from_an_older_term_is_dropped_and_a_newer_terms_resend_is_obeyed() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        async with h.running():
+            await h.send(msgspec.structs.replace(start("r1", 1), term=7))
+            await h.reports.until(lambda r: r.state == "ready")
+            assert h.agent.term == 7
+            # A leader of term 5, paused past its lease, resumes and sends what it meant to.
+            await h.send(msgspec.structs.replace(start("r2", 1), term=5))
+            await h.send(msgspec.structs.replace(stop("r1", 1), term=5))
+            await h.acked()
+            assert [(w.replica_id, w.epoch) for w in h.driver.started] == [("r1", 1)]
+            assert h.agent.replicas()[0].state == "ready"
+            # The leader of term 7 re-sends the same command: it is obeyed.
+            await h.send(msgspec.structs.replace(stop("r1", 1), term=7))
+            await h.reports.until(lambda r: r.state == "stopped")
+
+    with capture_logs() as logs:
+        simulate(scenario())
+    dropped = [e for e in logs if e["event"] == "command_from_old_term"]
+    assert [(e["term"], e["current"]) for e in dropped] == [(5, 7), (5, 7)]
+
+
+def test_a_lease_from_an_older_term_is_ignored() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.lease_s = 2.4
+        async with h.running():
+            h.leased.add(("r1", 1))
+            h.grant_leases()
+            await h.send(msgspec.structs.replace(start("r1", 1), term=9))
+            await h.reports.until(lambda r: r.state == "ready")
+            # Leases from the harness's controller carry no term (0): they count. One from a
+            # deposed leader of term 3 naming nothing does not revoke r1.
+            stale = HeartbeatAck(node_id=NODE, seq=10_000, lease_s=2.4, term=3)
+            h.agent._sent_at[10_000] = asyncio.get_running_loop().time()
+            await h.bus.publish(h.agent._lease_subject, msgspec.json.encode(stale))
+            await asyncio.sleep(0.1)
+            assert h.agent.fenced("r1", 1) == ""
 
     simulate(scenario())
