@@ -85,6 +85,19 @@ class FaultRunner:
 
             self._later(fault, "nats_outage", back)
             return
+        if kind == "controller_partition":
+            # Its NATS connection only: it keeps running, hears no heartbeat and reaches no
+            # agent; agents get "no responders" and keep their leases (docs/security.md).
+            world.network.isolate("controller")
+            world.checker.controller_down(world.now())
+            world.note("fault  controller_partition")
+
+            def reconnect() -> None:
+                world.network.reconnect("controller")
+                world.checker.controller_up(world.now())
+
+            self._later(fault, "controller_partition", reconnect)
+            return
         if kind == "gateway_partition":
             # Its NATS connection only: HTTP to the nodes still goes through, on a routing
             # table that no longer changes. The nodes' fences are all that keep it safe.

@@ -49,6 +49,7 @@ FaultKind = Literal[
     "controller_crash",  # the controller dies; restarted after duration_s, rebuilt from the log
     "nats_outage",  # the NATS server is down for everybody
     "gateway_partition",  # the gateway loses NATS (its table goes stale) but still reaches nodes
+    "controller_partition",  # the controller loses NATS; it runs on, hearing and telling nobody
     "churn",  # `count` nodes leave and `count` new ones join, every `period_s`
 ]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
@@ -56,6 +57,7 @@ NODE_FAULTS = frozenset(FAULT_KINDS) - {
     "controller_crash",
     "nats_outage",
     "gateway_partition",
+    "controller_partition",
     "churn",
 }
 

@@ -100,8 +100,8 @@ class RealFaults:
             self._controller_crash(fault)
         elif kind == "nats_outage":
             self._nats_outage(fault)
-        elif kind == "gateway_partition":
-            run.note(f"skip   gateway_partition: {NETWORK_ONLY}")
+        elif kind in ("gateway_partition", "controller_partition"):
+            run.note(f"skip   {kind}: {NETWORK_ONLY}")
         elif kind == "churn":
             self._keep_going(self._churn(fault), "chaos:churn")
             run.note(f"fault  churn ({fault.count} nodes every {fault.period_s:g} s)")

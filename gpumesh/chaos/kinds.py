@@ -32,6 +32,7 @@ KIND_ACTIONS: dict[str, str] = {
     "nats_outage": "approximation: SIGSTOP the stack's nats-server (every client's connection "
     "goes silent); SIGCONT after duration_s",
     "gateway_partition": NETWORK_ONLY,
+    "controller_partition": NETWORK_ONLY,
     "churn": "every period_s for duration_s (default 60 s): power_loss of `count` nodes (started "
     "again when the run ends) and `count` new agents node-N with an existing agent's command line",
 }
