@@ -64,6 +64,15 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         "no projection changes); default: keep them all",
     )
     ctl.add_argument(
+        "--event-log",
+        choices=("sqlite", "jetstream"),
+        default="sqlite",
+        help="where the event log of record lives: sqlite (default; one file in the data "
+        "directory, so a standby controller must share the machine and the directory) or "
+        "jetstream (a replicated stream on NATS: controllers on different hosts share nothing "
+        "but NATS, and standbys follow the log as it is written)",
+    )
+    ctl.add_argument(
         "--controller-id",
         metavar="ID",
         help="this controller's name in the leader lease and its event stream (default: the "
@@ -202,8 +211,8 @@ async def run_controller(args: argparse.Namespace) -> int:
     from runtime.shutdown import run_until_signal
     from wire.nats_bus import NatsBus
 
-    from .leader_kv import KvLease
-    from .leadership import Leadership
+    from .controller import ControllerConfig
+    from .controller_process import ControllerProcess, ProcessConfig
 
     args.data_dir.mkdir(parents=True, exist_ok=True)
     controller_id = args.controller_id or _default_controller_id()
@@ -214,45 +223,31 @@ async def run_controller(args: argparse.Namespace) -> int:
             url, name="gpumesh-controller", credentials=credentials(args, url, "controller")
         )
         try:
+            config = ProcessConfig(
+                controller=ControllerConfig(
+                    health=health_policy(args),
+                    compact_heartbeats_after=args.compact_heartbeats_after,
+                    controller_id=controller_id,
+                ),
+                log=args.event_log,
+                events_db=args.events_db,
+            )
             log = structlog.get_logger("gpumesh.leadership")
-            leadership = Leadership(KvLease(bus), LoopClock(), controller_id, log=log)
+            process = ControllerProcess(bus, LoopClock(), config, log=log)
+            where = (
+                f"event log {args.events_db}"
+                if args.event_log == "sqlite"
+                else "event log on JetStream (GPUMESH_LOG)"
+            )
             print(
-                f"controller: NATS {url}, event log {args.events_db}; {controller_id} leads "
-                "once it holds the lease (`gpumesh controller status`)",
+                f"controller: NATS {url}, {where}; {controller_id} leads once it holds the "
+                "lease (`gpumesh controller status`)",
                 file=sys.stderr,
             )
-            await run_until_signal(
-                leadership.run(lambda term: _lead(args, bus, controller_id, term))
-            )
+            await run_until_signal(process.run())
         finally:
             await bus.close()
     return 0
-
-
-async def _lead(args: argparse.Namespace, bus: Any, controller_id: str, term: int) -> None:
-    """One term: the event log opened, the controller run, until the term ends."""
-    from events.sqlite_store import SqliteEventStore
-    from runtime.real_env import real_env
-    from wire.nats_commands import JetStreamCommandQueue
-    from wire.routing_log import ensure_routing_log
-
-    from .controller import Controller, ControllerConfig
-    from .outbox import OutboxPublisher
-
-    store = await SqliteEventStore.open(args.events_db)
-    try:
-        commands = await JetStreamCommandQueue.create(bus)
-        await ensure_routing_log(bus)
-        config = ControllerConfig(
-            health=health_policy(args),
-            compact_heartbeats_after=args.compact_heartbeats_after,
-            controller_id=controller_id,
-            term=term,
-        )
-        controller = Controller(real_env(store, bus=bus), commands, config)
-        await controller.run(extra=[OutboxPublisher(store, bus).run])
-    finally:
-        await store.close()
 
 
 def _default_controller_id() -> str:
@@ -266,12 +261,14 @@ def _default_controller_id() -> str:
 
 
 async def controller_status(args: argparse.Namespace) -> int:
-    """Who leads, since when, at which term; from the lease itself."""
+    """Who leads, since when, at which term (from the lease itself), and each standby's lag
+    in events (from the roster: actors/roster.py)."""
     import time
 
     from wire.nats_bus import NatsBus
 
     from .leader_kv import KvLease
+    from .roster import Roster, lag
 
     url = find_nats_url(args.data_dir, getattr(args, "nats", None))
     bus = await NatsBus.connect(
@@ -279,30 +276,61 @@ async def controller_status(args: argparse.Namespace) -> int:
     )
     try:
         found = await KvLease(bus).leader()
+        entries = await Roster(bus).entries()
     finally:
         await bus.close()
+    now = time.time_ns()
+    leading = found[0].controller_id if found is not None else None
+    leader_entry = next((e for e in entries if e.controller_id == leading), None)
+    standbys = [
+        {
+            "controller_id": e.controller_id,
+            "applied": e.applied,
+            "lag": lag(e, leader_entry),
+            "follows": e.follows,
+            "log": e.log,
+            "reported_s_ago": round((now - e.reported_ns) / 1e9, 3),
+        }
+        for e in entries
+        if e.controller_id != leading
+    ]
+    lines = [
+        f"standby {s['controller_id']}: "
+        + (
+            f"{s['lag']} events behind (applied {s['applied']})"
+            if s["follows"] and s["lag"] is not None
+            else (
+                f"applied {s['applied']}"
+                if s["follows"]
+                else "rebuilds from the SQLite log when it takes over"
+            )
+        )
+        for s in standbys
+    ]
     if found is None:
-        data: dict[str, Any] = {"leader": None}
+        data: dict[str, Any] = {"leader": None, "standbys": standbys}
         text = (
             f"no controller holds the lease on {url} (none is running, or it runs inside "
             "`gpumesh up`, which takes none)"
         )
-        return _emit(args, data, text)
+        return _emit(args, data, "\n".join([text, *lines]))
     record, revision = found
-    now = time.time_ns()
     data = {
         "leader": record.controller_id,
         "term": record.term or revision,
         "since_ns": record.since_ns,
         "renewed_s_ago": round((now - (record.renewed_ns or record.since_ns)) / 1e9, 3),
         "lease_revision": revision,
+        "applied": leader_entry.applied if leader_entry is not None else None,
+        "log": leader_entry.log if leader_entry is not None else None,
+        "standbys": standbys,
     }
     led_for = round((now - record.since_ns) / 1e9, 1)
     text = (
         f"leader {record.controller_id}, term {data['term']}, leading for {led_for} s, "
         f"renewed {data['renewed_s_ago']} s ago"
     )
-    return _emit(args, data, text)
+    return _emit(args, data, "\n".join([text, *lines]))
 
 
 # -- control API clients -----------------------------------------------------------------

@@ -31,6 +31,7 @@ from events.contract.messages import (
 )
 from events.controller import ControllerGrace, GraceReason
 from events.errors import EventStoreError
+from projections import FleetState
 from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import BusError, Env, Msg, RandomSource
 from runtime.supervision import SupervisionPolicy
@@ -74,12 +75,19 @@ class ControllerConfig:
 
 class Controller:
     def __init__(
-        self, env: Env, commands: CommandQueue, config: ControllerConfig | None = None
+        self,
+        env: Env,
+        commands: CommandQueue,
+        config: ControllerConfig | None = None,
+        *,
+        state: FleetState | None = None,
     ) -> None:
+        """`state`: a fold of the log already made (a standby's), which `run` only brings up
+        to date instead of rebuilding."""
         self.env = env
         self.config = config or ControllerConfig()
         self.commands = _InTerm(commands, self.config.term) if self.config.term else commands
-        self.live = LiveState(env.store)
+        self.live = LiveState(env.store, state)
         self.placement_lock = asyncio.Lock()
         self.dropped: Counter[str] = Counter()  # garbage and unroutable messages, by kind
         self._drop_logged: dict[str, tuple[float, int]] = {}  # kind -> (when, total then)

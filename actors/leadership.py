@@ -99,6 +99,23 @@ class Leadership:
         self.terms_led = 0
         self.stepped_down: list[str] = []  # why, each time this controller gave a term up
         self._since_ns = 0
+        self._expires = 0.0  # this leader's own expiry (monotonic), see holds_lease
+        self._deposed = asyncio.Event()
+        self._deposed_why = ""
+
+    def holds_lease(self) -> bool:
+        """True while this controller leads and its own expiry has not passed. Checked before
+        every write of a term (actors/fenced_store.py): a leader paused past its lease (SIGSTOP,
+        a long GC, a frozen VM) finds on waking that the monotonic clock moved past its
+        expiry, and writes nothing, whichever of its tasks the loop happens to run first."""
+        return self.role == "leader" and self._clock.monotonic() < self._expires
+
+    def deposed(self, reason: str) -> None:
+        """Something of this term found it may no longer act: step down now, not at the next
+        renewal."""
+        if self.role == "leader" and not self._deposed.is_set():
+            self._deposed_why = reason
+            self._deposed.set()
 
     async def run(self, lead: Lead) -> None:
         """Campaign, lead while the lease holds, step down when it does not, and campaign
@@ -116,6 +133,7 @@ class Leadership:
             record = LeaderRecord(
                 controller_id=self.controller_id, since_ns=now_ns, renewed_ns=now_ns
             )
+            sent = self._clock.monotonic()
             try:
                 revision = await self._backend.create(
                     msgspec.json.encode(record), self.timing.ttl_s
@@ -130,6 +148,8 @@ class Leadership:
                 await asyncio.sleep(self.timing.poll_s)
                 continue
             self.role, self.term, self._since_ns = "leader", revision, now_ns
+            # Counted from the sending, as a renewal's: the server counts from storing it.
+            self._expires = sent + self.timing.ttl_s
             self.terms_led += 1
             self._say("leadership_won", term=revision)
             return revision
@@ -138,7 +158,7 @@ class Leadership:
         """Run `lead` for the term while renewing; cancel it and return why when the lease
         cannot be held (taken over, or not renewed before this controller's own expiry)."""
         timing = self.timing
-        expires = self._clock.monotonic() + timing.ttl_s
+        self._deposed.clear()
         task = asyncio.create_task(lead(revision), name=f"leader-term-{revision}")
         reason = ""
         try:
@@ -146,11 +166,18 @@ class Leadership:
                 if task.done():
                     reason = "the leader's work ended"
                     break
+                if self._deposed.is_set():
+                    reason = self._deposed_why
+                    break
                 sent = self._clock.monotonic()
+                if sent >= self._expires:
+                    # Woken past its own expiry (paused): the key may be someone else's now.
+                    reason = "the lease expired while this controller was paused"
+                    break
                 try:
-                    async with asyncio.timeout(max(0.0, expires - sent)):
+                    async with asyncio.timeout(max(0.0, self._expires - sent)):
                         revision = await self._renew(revision)
-                    expires = sent + timing.ttl_s
+                    self._expires = sent + timing.ttl_s
                 except LeaseLost:
                     reason = "another controller holds the lease"
                     break
@@ -159,7 +186,9 @@ class Leadership:
                     break
                 except ControllerError as exc:  # the backend's own failures, as ours
                     self._say("lease_renew_failed", error=str(exc))
-                await asyncio.sleep(timing.renew_s)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timing.renew_s):
+                        await self._deposed.wait()
         except asyncio.CancelledError:
             # Stopped (SIGTERM): the work first, so that nothing of this term is still
             # writing when the key is released and a standby takes over at once.
@@ -168,6 +197,7 @@ class Leadership:
             raise
         finally:
             self.role = "standby"
+            self._expires = 0.0
             await _stop(task)
         return reason
 

@@ -394,13 +394,14 @@ class Stack:
         )
         await self.wait_until(self._controller_answers, timeout=timeout, why="controller API")
 
-    def start_standby(self, name: str) -> _Child:
-        """A second controller on the same data dir, named `name`: it stands by while the
-        first holds the leader lease, and leads when it cannot. Killed with the stack."""
+    def start_standby(self, name: str, *, data_dir: Path | None = None) -> _Child:
+        """A second controller named `name`, on the stack's data dir unless `data_dir` says
+        otherwise: it stands by while the first holds the leader lease, and leads when it
+        cannot. Killed with the stack."""
         argv = [
             self.python, "-m", "gpumesh", "controller",
             "--nats", self.url,
-            "--data-dir", str(self.root),
+            "--data-dir", str(data_dir or self.root),
             "--controller-id", name,
             "--log-format", "json",
             "--heartbeat-interval", f"{self.heartbeat_interval:g}",
@@ -712,10 +713,12 @@ _MISSING = object()
 
 
 @asynccontextmanager
-async def started_stack(root: Path, agents: int, nats_binary: Path) -> AsyncIterator[Stack]:
+async def started_stack(
+    root: Path, agents: int, nats_binary: Path, *, controller_args: Sequence[str] = ()
+) -> AsyncIterator[Stack]:
     """A Stack started with `agents` agents, all healthy; on exit, every process it started
     must be gone (the teardown asserts it)."""
-    stack = Stack(root, agents=agents, nats_binary=nats_binary)
+    stack = Stack(root, agents=agents, nats_binary=nats_binary, controller_args=controller_args)
     try:
         await stack.start()
         yield stack

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from gpumesh.cli import main
@@ -76,3 +79,98 @@ async def _scaled(stack: Stack) -> bool:
 
 async def _leads(stack: Stack, capsys: pytest.CaptureFixture[str], name: str) -> bool:
     return (await status(stack, capsys))["leader"] == name
+
+
+# -- the log of record on JetStream: controllers that share nothing but NATS -----------------
+
+
+@pytest.fixture
+async def js_stack(tmp_path: Path, nats_server_binary: Path) -> AsyncIterator[Stack]:
+    root = tmp_path / "stack"
+    async with started_stack(
+        root, 2, nats_server_binary, controller_args=["--event-log", "jetstream"]
+    ) as s:
+        yield s
+
+
+async def roster(stack: Stack) -> list[dict[str, Any]]:
+    from actors.roster import Roster
+
+    bus = stack.bus
+    return [msgspec.to_builtins(e) for e in await Roster(bus).entries()]
+
+
+@pytest.mark.timeout(120)
+async def test_with_the_log_on_jetstream_a_standby_elsewhere_follows_and_takes_over(
+    js_stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stack = js_stack
+    await stack.create_cluster(echo_spec(2))
+    await serving(stack, 2)
+    first = await status(stack, capsys)
+    # Its own data directory: no file in common with the leader.
+    stack.start_standby("standby-1", data_dir=tmp_path / "elsewhere")
+
+    async def follows() -> bool:
+        entries = {e["controller_id"]: e for e in await roster(stack)}
+        leader, standby = entries.get(first["leader"]), entries.get("standby-1")
+        return (
+            leader is not None
+            and standby is not None
+            and standby["role"] == "standby"
+            and standby["follows"]
+            and standby["applied"] > 0
+            and standby["applied"] >= leader["applied"] - 50
+        )
+
+    await stack.wait_until(follows, timeout=20, why="the standby follows the log")
+    shown = await status(stack, capsys)
+    assert [s["controller_id"] for s in shown["standbys"]] == ["standby-1"]
+
+    await stack.kill_controller()
+    killed = time.monotonic()
+    await stack.wait_until(lambda: _scaled(stack), timeout=15, why="cluster.scale accepted")
+    took = time.monotonic() - killed
+    with capsys.disabled():
+        print(f"\nthe following standby led and scaled {took:.2f} s after the leader's SIGKILL")
+    assert took < 8.0, took
+    # The cluster it never saw created came to it through the log, and it acts on it.
+    cluster = await serving(stack, 1)
+    assert cluster["desired"] == 1
+    assert (await status(stack, capsys))["leader"] == "standby-1"
+
+
+@pytest.mark.timeout(120)
+async def test_a_leader_paused_past_its_lease_writes_nothing_when_it_wakes(
+    js_stack: Stack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stack = js_stack
+    await stack.create_cluster(echo_spec(2))
+    await serving(stack, 2)
+    old = stack.controller
+    assert old is not None
+    stack.start_standby("standby-1", data_dir=tmp_path / "elsewhere")
+    await asyncio.sleep(1.0)
+    os.kill(old.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        await stack.wait_until(lambda: _scaled(stack), timeout=15, why="the standby scales")
+        took = time.monotonic() - stopped
+        assert took < 8.0, took
+    finally:
+        os.kill(old.pid, signal.SIGCONT)
+
+    def stepped_down() -> bool:
+        text = old.log_path.read_text()
+        return "leadership_lost" in text
+
+    await stack.wait_until(stepped_down, timeout=10, why="the old leader steps down")
+    lines = [
+        json.loads(line)
+        for line in old.log_path.read_text().splitlines()
+        if line.startswith("{") and "leadership_lost" in line
+    ]
+    assert "paused" in lines[-1]["reason"] or "expired" in lines[-1]["reason"], lines[-1]
+    # The new leader goes on undisturbed: its term stands, and the fleet follows it.
+    await serving(stack, 1)
+    assert (await status(stack, capsys))["leader"] == "standby-1"

@@ -1,0 +1,189 @@
+"""One `gpumesh controller` process: it campaigns for the lease, leads a term with its state
+ready, and stands by between terms.
+
+Where the log lives decides how ready a standby is:
+
+- `jetstream` (the log of record on a replicated JetStream stream, events/jetstream_store/):
+  the process opens the log once and folds it as it is written, leader or not. A standby's
+  state is a fold of the log up to a moment ago, so taking over is catching up on what the
+  old leader wrote since (milliseconds), not replaying the log. Controllers on different hosts
+  share nothing but NATS.
+- `sqlite` (the single-machine log, one file): a standby opens the file when it takes over and
+  rebuilds from it, as a restarted controller does. Both controllers must then see the same
+  file: the same machine, the same data directory.
+
+Every term writes through the lease (actors/fenced_store.py): once this controller's own
+expiry has passed it appends nothing and sends no command, and steps down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from events.store import EventStore
+from runtime.command_queue import CommandQueue, Delivery
+from runtime.env import Clock
+from runtime.errors import BusError
+from wire.nats_bus import NatsBus
+
+from .controller import Controller, ControllerConfig
+from .errors import ControllerError
+from .fenced_store import Deposed, LeaseGuard, fenced
+from .leader_kv import KvLease
+from .leadership import Leadership, LeaseTiming
+from .live_state import LiveState
+from .roster import Roster, RosterEntry
+
+LogKind = Literal["sqlite", "jetstream"]
+LOG_KINDS: tuple[LogKind, ...] = ("sqlite", "jetstream")
+REPORT_EVERY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessConfig:
+    controller: ControllerConfig
+    log: LogKind = "sqlite"
+    events_db: Path = Path("events.db")
+    timing: LeaseTiming = field(default_factory=LeaseTiming)
+
+
+class FencedCommands:
+    """The command queue behind the lease: a deposed leader sends nothing."""
+
+    def __init__(self, inner: CommandQueue, guard: LeaseGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    async def send(self, node_id: str, command: Any) -> None:
+        if not self._guard.holds_lease():
+            reason = "the lease may have expired; this controller sends no more commands"
+            self._guard.deposed(reason)
+            raise Deposed(reason)
+        await self._inner.send(node_id, command)
+
+    def consume(self, node_id: str) -> AsyncIterator[Delivery]:
+        return self._inner.consume(node_id)
+
+
+class ControllerProcess:
+    def __init__(
+        self, bus: NatsBus, clock: Clock, config: ProcessConfig, *, log: Any = None
+    ) -> None:
+        self.bus = bus
+        self._clock = clock
+        self.config = config
+        self.controller_id = config.controller.controller_id
+        self.leadership = Leadership(
+            KvLease(bus), clock, self.controller_id, timing=config.timing, log=log
+        )
+        self.roster = Roster(bus)
+        self.live: LiveState | None = None  # the state a standby keeps (jetstream only)
+        self.controller: Controller | None = None  # the one leading a term, if any
+        self._log = log
+        self._store: EventStore | None = None
+        self._follower: asyncio.Task[None] | None = None
+
+    async def run(self) -> None:
+        """Until cancelled: follow, campaign, lead, stand by again."""
+        try:
+            if self.config.log == "jetstream":
+                self._store = await self._open_jetstream()
+                self.live = LiveState(self._store)
+                await self.live.catch_up()
+                self._say("log_followed", position=self.live.position)
+                self._follow()
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._report_loop(), name="roster")
+                tasks.create_task(self.leadership.run(self._lead), name="leadership")
+        finally:
+            await self._stop_following()
+            if self._store is not None:
+                await self._store.close()
+
+    # -- a term ------------------------------------------------------------------------
+
+    async def _lead(self, term: int) -> None:
+        from runtime.real_env import real_env
+        from wire.nats_commands import JetStreamCommandQueue
+        from wire.routing_log import ensure_routing_log
+
+        from .outbox import OutboxPublisher
+
+        await self._stop_following()
+        opened: EventStore | None = None
+        store: EventStore
+        if self._store is None:
+            from events.sqlite_store import SqliteEventStore
+
+            opened = store = await SqliteEventStore.open(self.config.events_db)
+        else:
+            store = self._store
+        try:
+            guarded = fenced(store, self.leadership, term=term)
+            commands = FencedCommands(await JetStreamCommandQueue.create(self.bus), self.leadership)
+            await ensure_routing_log(self.bus)
+            config = replace(self.config.controller, term=term)
+            state = self.live.state if self.live is not None else None
+            controller = Controller(real_env(guarded, bus=self.bus), commands, config, state=state)
+            self.controller = controller
+            await controller.run(extra=[OutboxPublisher(guarded, self.bus).run])
+        finally:
+            self.controller = None
+            if opened is not None:
+                await opened.close()
+            elif self.live is not None:
+                # The term's fold is still a fold of the log: stand by from where it is.
+                self._follow()
+
+    # -- standing by -------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        if self.live is not None and self._follower is None:
+            self._follower = asyncio.create_task(self.live.run(), name="follow-log")
+
+    async def _stop_following(self) -> None:
+        task, self._follower = self._follower, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _open_jetstream(self) -> EventStore:
+        from events.jetstream_store import JetStreamEventStore, JetStreamOptions
+
+        options = JetStreamOptions(replicas=self.bus.stream_replicas)
+        return await JetStreamEventStore.open(self.bus.client, options)
+
+    # -- the roster --------------------------------------------------------------------
+
+    def entry(self, wall_ns: int) -> RosterEntry:
+        leading = self.controller
+        live = leading.live if leading is not None else self.live
+        applied = live.position if live is not None else 0
+        return RosterEntry(
+            controller_id=self.controller_id,
+            role=self.leadership.role,
+            term=self.leadership.term if self.leadership.role == "leader" else 0,
+            applied=applied,
+            head=applied,
+            log=self.config.log,
+            follows=self.live is not None,
+            reported_ns=wall_ns,
+        )
+
+    async def _report_loop(self) -> None:
+        while True:
+            try:
+                await self.roster.report(self.entry(self._clock.wall_ns()))
+            except (ControllerError, BusError) as exc:
+                self._say("roster_report_failed", error=str(exc))
+            await asyncio.sleep(REPORT_EVERY_S)
+
+    def _say(self, event: str, **fields: object) -> None:
+        if self._log is not None:
+            self._log.info(event, controller=self.controller_id, **fields)
