@@ -21,6 +21,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import StorageType, StreamConfig
+from nats.js.client import JetStreamContext
 
 from events.errors import EventStoreError, StoreFull, StoreIOError
 
@@ -71,6 +72,13 @@ _ack_decoder = msgspec.json.Decoder(PubAck)
 _info_decoder = msgspec.json.Decoder(_StreamInfo)
 _purge_decoder = msgspec.json.Decoder(_Purged)
 _json = msgspec.json.Encoder()
+
+
+class _NoDirectResponder(StoreIOError):
+    """No server answered a direct get (status 503)."""
+
+
+_NO_RESPONDER_RETRY_S: Final = 0.05
 
 
 def api_failure(options: JetStreamOptions, error: ApiError) -> EventStoreError:
@@ -198,10 +206,37 @@ class Api:
                     f"NATS stream {o.stream} exists without the subject {o.filter} "
                     f"(it has {config.subjects}): choose another stream name or prefix"
                 )
-            if not (config.allow_direct and config.allow_atomic):
+            # More copies when the cluster has grown (never fewer: a stream made R3 by a
+            # bigger cluster is not shrunk by a store opened with a smaller setting).
+            more_copies = (config.num_replicas or 1) < o.replicas
+            if not (config.allow_direct and config.allow_atomic) or more_copies:
                 config.allow_direct = True
                 config.allow_atomic = True
+                config.num_replicas = max(config.num_replicas or 1, o.replicas)
                 await js.update_stream(config)
+                if more_copies:
+                    await self._until_copies_current(js)
+
+    async def _until_copies_current(self, js: JetStreamContext) -> None:
+        """After the stream gains copies: wait until it has a leader and every new copy has
+        caught up, so the first append is not sent into the change-over."""
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        while True:
+            info = await js.stream_info(self.options.stream)
+            peers = (info.cluster.replicas or []) if info.cluster else []
+            if (
+                info.cluster is not None
+                and info.cluster.leader
+                and len(peers) + 1 >= self.options.replicas
+                and all(p.current for p in peers)
+            ):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                raise StoreIOError(
+                    f"NATS stream {self.options.stream}: its new copies did not catch up within "
+                    f"{self._timeout:g} s"
+                )
+            await asyncio.sleep(0.05)
 
     async def last_sequence(self) -> tuple[int, int]:
         """(last sequence, message count) of the stream, from its leader."""
@@ -321,12 +356,25 @@ class Api:
             request: dict[str, Any] = {"seq": seq, "batch": want}
             if subject is not None:
                 request["next_by_subj"] = subject
-            page = await self._page(request)
+            page = await self._page_answered(request)
             found += page.messages
             if not page.messages or (len(page.messages) < want and page.pending == 0):
                 break
             seq = sequence_of(page.messages[-1]) + 1
         return found
+
+    async def _page_answered(self, request: dict[str, Any]) -> Page:
+        """A page, asked again while no server answers direct gets: for a moment after the
+        server that led the stream dies, the cluster's interest in direct gets still points at
+        it, and the copies left answer once the routes have noticed."""
+        deadline = asyncio.get_running_loop().time() + self._timeout
+        while True:
+            try:
+                return await self._page(request)
+            except _NoDirectResponder:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(_NO_RESPONDER_RETRY_S)
 
     async def _page(self, request: dict[str, Any]) -> Page:
         if self._sub is None:
@@ -368,7 +416,7 @@ class Api:
         hdrs = msg.headers or {}
         status = hdrs.get("Status", "")
         if status == "503":
-            return StoreIOError(
+            return _NoDirectResponder(
                 f"event store on NATS stream {self.options.stream}: no server answers direct "
                 "gets (no responders: is JetStream enabled and the stream there?)"
             )
