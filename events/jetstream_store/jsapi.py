@@ -74,6 +74,11 @@ _purge_decoder = msgspec.json.Decoder(_Purged)
 _json = msgspec.json.Encoder()
 
 
+class NoStreamResponder(StoreIOError):
+    """No server took a publish (status 503): no stream listens on the subject, or, for a
+    moment after its leader's server died, the stream has no leader yet."""
+
+
 class _NoDirectResponder(StoreIOError):
     """No server answered a direct get (status 503)."""
 
@@ -153,6 +158,9 @@ class Api:
         self._pages: dict[str, Page] = {}
         self._acks: dict[str, asyncio.Future[Msg]] = {}
         self._deadlines: collections.deque[tuple[float, str]] = collections.deque()
+        # Single publishes not yet answered, to send once more after `resend_after_s`.
+        self._unanswered: dict[str, tuple[str, bytes, dict[str, str]]] = {}
+        self._resends: collections.deque[tuple[float, str]] = collections.deque()
         self._expiry: asyncio.Task[None] | None = None
         self._next_token = 0
 
@@ -278,11 +286,16 @@ class Api:
         loop = asyncio.get_running_loop()
         sent = Sent(self._token(), loop.create_future())
         self._acks[sent.token] = sent.ack
-        self._deadlines.append((loop.time() + self._timeout, sent.token))
+        now = loop.time()
+        self._deadlines.append((now + self._timeout, sent.token))
+        if "Nats-Batch-Id" not in hdrs:
+            self._unanswered[sent.token] = (subject, data, hdrs)
+            self._resends.append((now + self.options.resend_after_s, sent.token))
         try:
             await self.nc.publish(subject, data, reply=f"{self._inbox}.{sent.token}", headers=hdrs)
         except (nats.errors.Error, OSError) as exc:
             del self._acks[sent.token]
+            self._unanswered.pop(sent.token, None)
             raise _transport_failure(self.options, exc) from exc
         return sent
 
@@ -302,8 +315,9 @@ class Api:
             raise _transport_failure(self.options, TimeoutError()) from None
         finally:
             self._acks.pop(sent.token, None)
+            self._unanswered.pop(sent.token, None)
         if msg.headers and msg.headers.get("Status") == "503":
-            raise StoreIOError(
+            raise NoStreamResponder(
                 f"event store on NATS stream {self.options.stream}: no stream takes "
                 "publishes on its subjects (no responders)"
             )
@@ -320,15 +334,33 @@ class Api:
         costs more than the publish (every deadline is the same distance ahead, so they
         expire in the order they were set)."""
         loop = asyncio.get_running_loop()
-        deadlines = self._deadlines
+        deadlines, resends = self._deadlines, self._resends
         while True:
-            await asyncio.sleep(min(0.25, self._timeout / 4))
+            await asyncio.sleep(min(0.25, self._timeout / 4, self.options.resend_after_s / 2))
             now = loop.time()
+            while resends and resends[0][0] <= now:
+                _, token = resends.popleft()
+                unanswered = self._unanswered.pop(token, None)
+                if unanswered is not None:
+                    await self._resend(token, *unanswered)
             while deadlines and deadlines[0][0] <= now:
                 _, token = deadlines.popleft()
                 ack = self._acks.get(token)
                 if ack is not None and not ack.done():
                     ack.set_exception(TimeoutError())
+
+    async def _resend(self, token: str, subject: str, data: bytes, hdrs: dict[str, str]) -> None:
+        """Send an unanswered publish once more, under the same reply token. Its server may
+        have died with it (a publish written into a connection that was already gone is lost
+        without a word). Safe to repeat: the expected last subject sequence lets at most one
+        copy in, and `Nats-Msg-Id` makes the second a duplicate with the first's sequence;
+        whichever answer comes first settles the append, and the writer reads its way to the
+        truth from either (writer.py)."""
+        ack = self._acks.get(token)
+        if ack is None or ack.done():
+            return
+        with contextlib.suppress(nats.errors.Error, OSError):
+            await self.nc.publish(subject, data, reply=f"{self._inbox}.{token}", headers=hdrs)
 
     def _token(self) -> str:
         self._next_token += 1

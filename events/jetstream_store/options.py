@@ -33,6 +33,9 @@ class JetStreamOptions:
     snapshot_bucket: str = ""
     duplicate_window_s: float = 120.0
     request_timeout_s: float = 10.0
+    # A single publish unanswered this long is sent once more (jsapi.py, Api._resend): its
+    # server may have died with it. Acknowledgements take milliseconds otherwise.
+    resend_after_s: float = 1.0
     max_inflight_batches: int = 32
 
     def __post_init__(self) -> None:
@@ -52,6 +55,8 @@ class JetStreamOptions:
             raise ValueError("max_inflight_batches must be 1 to 50 (the server's own limit)")
         if self.request_timeout_s <= 0 or self.duplicate_window_s <= 0:
             raise ValueError("request_timeout_s and duplicate_window_s must be positive")
+        if self.resend_after_s <= 0:
+            raise ValueError("resend_after_s must be positive")
 
     @property
     def bucket(self) -> str:

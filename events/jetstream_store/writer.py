@@ -38,6 +38,7 @@ from .jsapi import (
     BATCH_INCOMPLETE,
     WRONG_LAST_SEQUENCE,
     Api,
+    NoStreamResponder,
     PubAck,
     Sent,
     api_failure,
@@ -47,6 +48,7 @@ from .jsapi import (
 
 _ATTEMPTS: Final = 8
 _BACKOFF_S: Final = 0.02
+_LEADERLESS_WAIT_S: Final = 0.1
 _UNBOUNDED: Final = 1 << 62
 
 
@@ -244,7 +246,10 @@ class Writer:
         dedupe = not self._index.recently_forgotten(events)
         caught_up = False
         ack: PubAck | None = None
-        for attempt in range(_ATTEMPTS):
+        leaderless_until = 0.0
+        attempt = 0
+        while attempt < _ATTEMPTS:
+            attempt += 1
             if sent is not None:
                 ack, sent = await self._acked(events, sent), None
             elif expected != ANY and expected != state.version:
@@ -256,7 +261,18 @@ class Writer:
                     return stored
                 continue
             else:
-                ack = await self._publish(stream, state, events, dedupe, turn)
+                try:
+                    ack = await self._publish(stream, state, events, dedupe, turn)
+                except NoStreamResponder:
+                    # The stream is electing a leader (its leader's server died): ask again,
+                    # for as long as a request may take.
+                    now = asyncio.get_running_loop().time()
+                    leaderless_until = leaderless_until or now + self._options.request_timeout_s
+                    if now > leaderless_until:
+                        raise
+                    attempt -= 1
+                    await asyncio.sleep(_LEADERLESS_WAIT_S)
+                    continue
             if ack.error is None and not ack.duplicate:
                 positions = list(range(ack.seq - len(events) + 1, ack.seq + 1))
                 self._index.record(stream, events, positions)
@@ -265,6 +281,8 @@ class Writer:
             if ack.duplicate:
                 stored = await self._duplicate(stream, events[0], ack.seq)
                 if stored is not None:
+                    # Ours after all (a resend's answer came first): reads must reach it.
+                    self.acked_max = max(self.acked_max, ack.seq)
                     return stored
                 dedupe = False
                 continue
@@ -278,11 +296,11 @@ class Writer:
                     return stored
                 if state.last_seq == known:
                     # The replica that answered the read is behind the leader that refused.
-                    await asyncio.sleep(_BACKOFF_S * (attempt + 1))
+                    await asyncio.sleep(_BACKOFF_S * attempt)
             elif code == BATCH_DUPLICATE_MSG_ID:
                 dedupe = False
             elif code == BATCH_INCOMPLETE:
-                await asyncio.sleep(_BACKOFF_S * (attempt + 1))
+                await asyncio.sleep(_BACKOFF_S * attempt)
             else:
                 raise api_failure(self._options, ack.error)
         raise StoreIOError(
