@@ -347,10 +347,7 @@ async def call(args: argparse.Namespace, verb: str, body: object) -> Any:
     try:
         raw = await bus.request(subjects.api(verb), msgspec.json.encode(body), timeout=30.0)
     except NoResponders:
-        raise CommandFailed(
-            f"no controller is answering on {url} (is `gpumesh up` or "
-            "`gpumesh controller` running?)"
-        ) from None
+        raise CommandFailed(await _why_nobody_answers(bus, url)) from None
     except RequestTimeout:
         raise CommandFailed(f"the controller on {url} did not answer within 30 s") from None
     finally:
@@ -359,6 +356,35 @@ async def call(args: argparse.Namespace, verb: str, body: object) -> Any:
     if not reply.ok:
         raise CommandFailed(reply.error)
     return reply.data
+
+
+async def _why_nobody_answers(bus: Any, url: str) -> str:
+    """Only the leader serves the control API (standbys do not subscribe, so NATS hands every
+    request to the leader, whichever server the client reached). Nobody answering means no
+    controller leads right now: say who is there, from the lease and the roster."""
+    from runtime.errors import BusError
+
+    from .errors import ControllerError
+    from .leader_kv import KvLease
+    from .roster import Roster
+
+    try:
+        found = await KvLease(bus).leader()
+        standbys = [e.controller_id for e in await Roster(bus).entries() if e.role == "standby"]
+    except (ControllerError, BusError):  # only the message depends on it
+        found, standbys = None, []
+    if found is not None:
+        return (
+            f"no controller is answering on {url}: {found[0].controller_id} holds the lease "
+            "(term " + str(found[0].term or found[1]) + ") but is not serving yet; try again "
+            "in a few seconds"
+        )
+    if standbys:
+        return (
+            f"no controller leads on {url} right now (standing by: {', '.join(standbys)}); "
+            "one takes over within the lease's time to live, about 3 s: try again"
+        )
+    return f"no controller is answering on {url} (is `gpumesh up` or `gpumesh controller` running?)"
 
 
 def _emit(args: argparse.Namespace, data: Any, text: str) -> int:
