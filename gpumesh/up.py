@@ -3,6 +3,7 @@
 Embedded NATS, the controller (in this process), and N node agents with fake GPUs, each its own
 process so one can be killed the way a machine dies. `--demo` also creates a cluster of echo
 replicas. Ctrl-C stops the agents (which stop their workloads), then the controller, then NATS.
+`--ha` runs the high-availability shape instead (gpumesh/up_ha.py).
 """
 
 from __future__ import annotations
@@ -77,6 +78,20 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help="run the embedded NATS without TLS and per-node credentials (by default `up` "
         "creates a CA and one NKEY identity per process in DATA_DIR/security)",
     )
+    up.add_argument(
+        "--ha",
+        action="store_true",
+        help="the high-availability shape: 3 nats-servers clustered by routes (mutual TLS and "
+        "the cluster's own password), 2 controllers (one leads, one stands by), the gateway "
+        "and the agents, each its own process; prints how to kill each for a try, and starts "
+        "a killed one again",
+    )
+    up.add_argument(
+        "--json",
+        action="store_true",
+        help="with --ha: print the summary (endpoints, and each process's role, pid and port) "
+        "as one JSON line",
+    )
     up.set_defaults(handler=run_up, daemon=True)
 
 
@@ -102,6 +117,14 @@ async def run_up(args: argparse.Namespace) -> int:
     from wire.nats_commands import JetStreamCommandQueue
     from wire.routing_log import ensure_routing_log
 
+    if args.ha:
+        from .up_ha import run_ha
+
+        return await run_ha(args)
+    if args.json:
+        from wire.errors import CommandFailed
+
+        raise CommandFailed("--json goes with --ha (`gpumesh up` alone prints its summary as text)")
     data_dir: Path = args.data_dir
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)

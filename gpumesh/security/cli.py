@@ -170,8 +170,15 @@ async def run_revoke(args: argparse.Namespace) -> int:
 
 
 def _reload(layout: SecurityLayout, data_dir: Path) -> None:
-    pid = identities.reload_server(data_dir / "nats" / "nats-server.pid")
-    if pid is None:
+    """Every embedded nats-server of the data directory re-reads nats.conf: the one of
+    `gpumesh up`/`controller`, and the three of `gpumesh up --ha` (each includes it)."""
+    from gpumesh.up_ha import NATS_DIR
+
+    pid_files = [data_dir / "nats" / "nats-server.pid"]
+    pid_files += sorted((data_dir / NATS_DIR).glob("nats-*/nats-server.pid"))
+    pids = [pid for f in pid_files if (pid := identities.reload_server(f)) is not None]
+    if not pids:
         print("no embedded nats-server is running here: the change applies when it starts")
     else:
-        print(f"nats-server (pid {pid}) reloaded {layout.server_config}")
+        which = ", ".join(str(pid) for pid in pids)
+        print(f"nats-server (pid {which}) reloaded {layout.server_config}")

@@ -21,7 +21,7 @@ import nkeys
 from events.ids import valid_id
 from wire.nats_access import Credentials, Role, SecurityLayout, inbox_prefix
 
-from . import pki
+from . import pki, routes
 from .roles import RESPONSE_EXPIRES, RESPONSE_MAX_MSGS, permissions
 
 # Who runs a local stack, issued by `certs init`: the controller process, the operator's CLI,
@@ -74,8 +74,9 @@ def _save_registry(layout: SecurityLayout, registry: Registry) -> None:
 
 
 def init(layout: SecurityLayout, hosts: Sequence[str] = pki.DEFAULT_HOSTS) -> list[str]:
-    """Create what is missing (CA, server certificate, built-in identities, nats.conf) and
-    return what was created; existing keys are never replaced."""
+    """Create what is missing (CA, server certificate, the routes' certificate and password,
+    built-in identities, nats.conf) and return what was created; existing keys are never
+    replaced."""
     created: list[str] = []
     layout.root.mkdir(parents=True, exist_ok=True)
     os.chmod(layout.root, 0o700)
@@ -87,6 +88,8 @@ def init(layout: SecurityLayout, hosts: Sequence[str] = pki.DEFAULT_HOSTS) -> li
             layout.ca_cert, layout.ca_key, layout.server_cert, layout.server_key, hosts
         )
         created.append(str(layout.server_cert))
+    # The routes' own certificate and password (a NATS cluster: `gpumesh up --ha`).
+    created += routes.ensure(layout)  # valid for the server certificate's names
     for name, role in BUILTIN:
         if load_registry(layout).find(name) is None:
             created.append(str(issue(layout, name, role)))
@@ -186,6 +189,18 @@ def reload_server(pid_file: Path) -> int | None:
         pid = int(pid_file.read_text().strip())
     except (FileNotFoundError, ValueError):
         return None
+    # nats-server leaves its pid file behind when it stops: signal that pid only while it is
+    # still a nats-server (where /proc tells), never a process that took the number since.
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        if Path("/proc/self").exists():
+            return None  # no such process
+    except OSError:
+        pass
+    else:
+        if b"nats-server" not in command:
+            return None
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:

@@ -97,9 +97,13 @@ def create_server_cert(
     cert_path: Path,
     key_path: Path,
     hosts: Sequence[str] = DEFAULT_HOSTS,
+    *,
+    common_name: str = "",
+    client_auth: bool = False,
 ) -> None:
     """A certificate for nats-server, valid for every name and address in `hosts`: clients
-    check the address they dialled against these."""
+    check the address they dialled against these. `client_auth`: the certificate also proves
+    who dials (a route between servers is mutual TLS: each server is the other's client)."""
     ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
     ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
     if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
@@ -107,9 +111,13 @@ def create_server_cert(
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
     unique = list(dict.fromkeys(hosts))
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH]
+    if client_auth:
+        usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
+    subject = common_name or unique[0]
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, unique[0])]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
         .issuer_name(ca_cert.subject)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
@@ -117,7 +125,7 @@ def create_server_cert(
         .not_valid_after(now + datetime.timedelta(days=SERVER_DAYS))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.SubjectAlternativeName([_san(h) for h in unique]), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
             critical=False,
