@@ -6,14 +6,20 @@ counts committed `node.heartbeat.v1` events, with the latency from the agent's s
 commit being visible to a subscriber of the log.
 
     python bench/heartbeats.py [--nodes 2000] [--rate 20000] [--seconds 20] [--json] [--quick]
+                               [--store sqlite|jetstream-r3]
 
-Target (issue 3): at least 20,000 heartbeats/s recorded as events. A benchmark, not a test.
+Target (issue 3): at least 20,000 heartbeats/s recorded as events. With `--store jetstream-r3`
+the log of record is the JetStream store (events/jetstream_store/) on three local nats-servers
+clustered by routes, each with `sync_interval: always`, the stream R3 (issue 16's target: the
+same 20,000/s by the leader on that store); the controller and the load then use that cluster.
+A benchmark, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +43,10 @@ from actors.outbox import OutboxPublisher  # noqa: E402
 from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from events.contract import subjects  # noqa: E402
 from events.contract.messages import Heartbeat, Register  # noqa: E402
+from events.errors import EventStoreError  # noqa: E402
 from events.node import GpuInfo, GpuMetrics, NodeHealthChanged, NodeHeartbeat  # noqa: E402
 from events.sqlite_store import SqliteEventStore  # noqa: E402
+from events.store import EventStore  # noqa: E402
 from gpumesh.gc_tuning import tune_collector  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
 from runtime.real_env import real_env  # noqa: E402
@@ -54,7 +63,7 @@ async def generate(url: str, nodes: int, rate: float, seconds: float, leases: bo
     from nats.aio.client import Client
 
     nc = Client()
-    await nc.connect(url)
+    await nc.connect(servers=url.split(","))
     gpus = tuple(
         GpuInfo(index=i, uuid=f"GPU-{i}", model="RTX4090", vram_mib=24_576) for i in range(2)
     )
@@ -103,11 +112,40 @@ async def generate(url: str, nodes: int, rate: float, seconds: float, leases: bo
     )
 
 
+@contextlib.asynccontextmanager
+async def nats_for(args: argparse.Namespace, tmp: Path) -> AsyncIterator[tuple[str, int | None]]:
+    """The NATS the run uses: its URL(s) and the server's pid (None for a cluster)."""
+    if args.store == "sqlite":
+        async with EmbeddedNats(tmp / "nats") as server:
+            yield server.url, server._process.pid if server._process else None
+        return
+    from bench.eventstore import nats_servers
+
+    with nats_servers(tmp / "cluster", 3, "always") as urls:
+        yield ",".join(urls), None
+
+
+async def open_store(args: argparse.Namespace, tmp: Path, bus: NatsBus) -> EventStore:
+    if args.store == "sqlite":
+        return await SqliteEventStore.open(tmp / "events.db")
+    from events.jetstream_store import JetStreamEventStore, JetStreamOptions
+
+    # A fresh cluster elects its JetStream meta leader a few seconds after it is ready.
+    for attempt in range(60):
+        try:
+            return await JetStreamEventStore.open(bus.client, JetStreamOptions(replicas=3))
+        except EventStoreError:
+            if attempt == 59:
+                raise
+            await asyncio.sleep(0.5)
+    raise AssertionError("unreachable")
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        async with EmbeddedNats(Path(tmp) / "nats") as server:
-            store = await SqliteEventStore.open(Path(tmp) / "events.db")
-            bus = await NatsBus.connect(server.url, name="bench-controller")
+        async with nats_for(args, Path(tmp)) as (url, server_pid):
+            bus = await NatsBus.connect(url, name="bench-controller")
+            store = await open_store(args, Path(tmp), bus)
             # Heartbeats arrive every nodes/rate seconds per node: give silence detection room.
             interval = max(1.0, args.nodes / args.rate * 2)
             # Each node beats rate/nodes times a second, faster than a real agent: raise the
@@ -152,7 +190,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     __file__,
                     "--generator",
                     "--url",
-                    server.url,
+                    url,
                     "--nodes",
                     str(args.nodes),
                     "--rate",
@@ -176,7 +214,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 while counted < sent and time.perf_counter() < deadline:  # noqa: ASYNC110
                     await asyncio.sleep(0.1)
                 cpu = time.process_time() - cpu0
-                nats_cpu = _process_cpu(server._process.pid if server._process else None)
+                nats_cpu = _process_cpu(server_pid)
                 ctl.cancel()
                 obs.cancel()
             await store.close()
@@ -187,6 +225,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     rate = (len(steady) - 1) / span if len(steady) > 1 else 0.0
     latencies.sort()
     return {
+        "store": args.store,
         "nodes": args.nodes,
         "offered_per_second": args.rate,
         "sent": sent,
@@ -245,6 +284,13 @@ def main() -> int:
         action="store_true",
         help="also run the outbox (every event to JetStream) and ask for a lease with every "
         "heartbeat, as `gpumesh controller` and real agents do",
+    )
+    parser.add_argument(
+        "--store",
+        choices=("sqlite", "jetstream-r3"),
+        default="sqlite",
+        help="the log of record: SQLite (FULL) on one nats-server, or the JetStream store on "
+        "an R3 stream of three local servers with sync_interval always",
     )
     parser.add_argument("--json", action="store_true")
     add_quick(parser, " ".join(f"--{k} {v:g}" for k, v in QUICK.items()))

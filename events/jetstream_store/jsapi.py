@@ -158,9 +158,11 @@ class Api:
         self._pages: dict[str, Page] = {}
         self._acks: dict[str, asyncio.Future[Msg]] = {}
         self._deadlines: collections.deque[tuple[float, str]] = collections.deque()
-        # Single publishes not yet answered, to send once more after `resend_after_s`.
-        self._unanswered: dict[str, tuple[str, bytes, dict[str, str]]] = {}
+        # Single publishes not yet answered, to send once more after `resend_after_s` if the
+        # connection moved to another server since (subject, data, headers, reconnects then).
+        self._unanswered: dict[str, tuple[str, bytes, dict[str, str], int]] = {}
         self._resends: collections.deque[tuple[float, str]] = collections.deque()
+        self._last_answer = 0.0  # loop time of the last publish acknowledgement
         self._expiry: asyncio.Task[None] | None = None
         self._next_token = 0
 
@@ -289,7 +291,7 @@ class Api:
         now = loop.time()
         self._deadlines.append((now + self._timeout, sent.token))
         if "Nats-Batch-Id" not in hdrs:
-            self._unanswered[sent.token] = (subject, data, hdrs)
+            self._unanswered[sent.token] = (subject, data, hdrs, self._reconnects())
             self._resends.append((now + self.options.resend_after_s, sent.token))
         try:
             await self.nc.publish(subject, data, reply=f"{self._inbox}.{sent.token}", headers=hdrs)
@@ -340,9 +342,21 @@ class Api:
             now = loop.time()
             while resends and resends[0][0] <= now:
                 _, token = resends.popleft()
-                unanswered = self._unanswered.pop(token, None)
-                if unanswered is not None:
-                    await self._resend(token, *unanswered)
+                unanswered = self._unanswered.get(token)
+                if unanswered is None:
+                    continue
+                # Only when the connection has moved since the send, or nothing at all has
+                # been answered for as long: a slow answer from a loaded server is not a lost
+                # publish, and sending everything twice then would only load it more. Not yet:
+                # look again later, until its deadline fails it.
+                if (
+                    unanswered[3] != self._reconnects()
+                    or now - self._last_answer >= self.options.resend_after_s
+                ):
+                    del self._unanswered[token]
+                    await self._resend(token, *unanswered[:3])
+                else:
+                    resends.append((now + self.options.resend_after_s, token))
             while deadlines and deadlines[0][0] <= now:
                 _, token = deadlines.popleft()
                 ack = self._acks.get(token)
@@ -350,10 +364,11 @@ class Api:
                     ack.set_exception(TimeoutError())
 
     async def _resend(self, token: str, subject: str, data: bytes, hdrs: dict[str, str]) -> None:
-        """Send an unanswered publish once more, under the same reply token. Its server may
-        have died with it (a publish written into a connection that was already gone is lost
-        without a word). Safe to repeat: the expected last subject sequence lets at most one
-        copy in, and `Nats-Msg-Id` makes the second a duplicate with the first's sequence;
+        """Send an unanswered publish once more, under the same reply token, after the
+        connection moved to another server or the stream went silent: a publish written into
+        a connection that was already gone, or routed to a stream leader that just died, is
+        lost without a word. Safe to repeat: the expected last subject sequence lets at most
+        one copy in, and `Nats-Msg-Id` makes the second a duplicate with the first's sequence;
         whichever answer comes first settles the append, and the writer reads its way to the
         truth from either (writer.py)."""
         ack = self._acks.get(token)
@@ -361,6 +376,9 @@ class Api:
             return
         with contextlib.suppress(nats.errors.Error, OSError):
             await self.nc.publish(subject, data, reply=f"{self._inbox}.{token}", headers=hdrs)
+
+    def _reconnects(self) -> int:
+        return int(self.nc.stats.get("reconnects", 0))
 
     def _token(self) -> str:
         self._next_token += 1
@@ -429,6 +447,7 @@ class Api:
         token = msg.subject.rpartition(".")[2]
         ack = self._acks.get(token)
         if ack is not None:
+            self._last_answer = asyncio.get_running_loop().time()
             if not ack.done():
                 ack.set_result(msg)
             return

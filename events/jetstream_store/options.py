@@ -33,8 +33,9 @@ class JetStreamOptions:
     snapshot_bucket: str = ""
     duplicate_window_s: float = 120.0
     request_timeout_s: float = 10.0
-    # A single publish unanswered this long is sent once more (jsapi.py, Api._resend): its
-    # server may have died with it. Acknowledgements take milliseconds otherwise.
+    # A single publish unanswered this long, when the connection has moved to another server
+    # since it was sent, is sent once more (jsapi.py, Api._resend): its server may have died
+    # with it.
     resend_after_s: float = 1.0
     max_inflight_batches: int = 32
 
