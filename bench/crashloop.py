@@ -2,6 +2,7 @@
 scripted workload, again and again, and check that nothing acknowledged was lost.
 
     python bench/crashloop.py [--kills 50] [--seed 1] [--agents 3] [--json] [--quick]
+    python bench/crashloop.py --ha [--kills 50] [--seed 1] [--agents 3] [--clients 4] [--json]
 
 Every part is its own process on loopback (tests/integration/stack.py: nats-server with
 JetStream, the controller on a SQLite log, agents with fake GPUs and echo workloads), plus a
@@ -13,13 +14,20 @@ killer picks a victim among {controller, an agent, the gateway, nats-server} at 
 kills it lets everything settle and checks:
 
   - every acknowledged cluster operation has its event in the log (created, scaled to the
-    acknowledged count, deleted), and the final clusters are what the last acknowledged
-    operations left;
+    acknowledged count, deleted), once and in the order acknowledged
+    (bench/_crashloop_common.py, check_ops_in_order), and the final clusters are what the last
+    acknowledged operations left;
   - every event the workload saw committed (its `events.list` samples, by id and position) is
     still in the log, at the same position;
   - positions in the log are contiguous (1..head: nothing half-written);
   - the JetStream events stream holds every position of the log, in order, once;
   - the controller's live state (its API) equals a rebuild of the log.
+
+`--ha` runs it on a stack in high-availability shape instead: 3 clustered nats-servers, two
+controllers following the log of record on JetStream, the killer drawing among the leading
+controller, the standby, one nats-server at a time, an agent and the gateway, under client load,
+and a checker that adds no two leaders ever writing and live state equal to a rebuild on every
+controller (bench/_crashloop_ha.py says what each check reads).
 
 It prints progress as it goes, then the figures, and exits 1 on any loss. A benchmark that
 prints figures, not a test (it takes a few minutes).
@@ -37,7 +45,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,65 +54,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import projections  # noqa: E402
+from bench._crashloop_common import (  # noqa: E402
+    Ledger,
+    check_ops_in_order,
+    operations,
+    ops_problems,
+    say,
+)
 from bench._gateway_process import GatewayProcess  # noqa: E402
 from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from events.contract import subjects  # noqa: E402
 from events.sqlite_store import SqliteEventStore  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
-from runtime.env import BusError  # noqa: E402
-from tests.integration.stack import ApiError, Stack, echo_spec  # noqa: E402
+from tests.integration.stack import Stack, echo_spec  # noqa: E402
 
 VICTIMS = ("controller", "agent", "gateway", "nats")
 # 4 kills, 2 agents; seed 59's killer picks each kind of victim once.
-QUICK = {"kills": 4, "agents": 2, "seed": 59}
-
-
-@dataclass
-class Ledger:
-    """What the controller acknowledged, and what the workload saw committed."""
-
-    ops: list[tuple[str, str, int]] = field(default_factory=list)  # (verb, cluster, replicas)
-    refused: Counter[str] = field(default_factory=Counter)
-    seen_events: dict[str, int] = field(default_factory=dict)  # event id -> position
-    kills: Counter[str] = field(default_factory=Counter)
-    requests: Counter[str] = field(default_factory=Counter)
-    head: int = 0  # the highest log position the workload has seen
-
-
-def say(text: str) -> None:
-    print(f"crashloop: {text}", file=sys.stderr, flush=True)
-
-
-async def operations(stack: Stack, rng: random.Random, ledger: Ledger, stop: asyncio.Event) -> None:
-    names = [f"c{i}" for i in range(4)]
-    while not stop.is_set():
-        name = rng.choice(names)
-        verb = rng.choice(["cluster.create", "cluster.scale", "cluster.scale", "cluster.delete"])
-        replicas = rng.randint(0, 2)
-        body: Any = {"name": name, "replicas": replicas}
-        if verb == "cluster.create":
-            body = {**echo_spec(replicas, name=name)}
-        elif verb == "cluster.delete":
-            body = {"name": name}
-        try:
-            await stack.api(verb, body, timeout=3.0)
-        except ApiError as exc:
-            # A clear no (an unknown cluster, a name taken): not acknowledged, nothing to keep.
-            ledger.refused[f"{verb}: " + str(exc).split(":", 1)[-1].split("(")[0].strip()] += 1
-        except (BusError, TimeoutError, OSError):
-            ledger.refused["no answer"] += 1  # controller or NATS down: not acknowledged
-        else:
-            ledger.ops.append((verb, name, replicas))
-        try:
-            after = max(0, ledger.head - 30)
-            page = await stack.api("events.list", {"after": after, "limit": 30}, timeout=3.0)
-        except (ApiError, BusError, TimeoutError, OSError):
-            pass
-        else:
-            ledger.head = max(ledger.head, int(page["head"]))
-            for event in page["events"]:
-                ledger.seen_events[event["event_id"]] = event["position"]
-        await asyncio.sleep(rng.uniform(0.02, 0.15))
+QUICK: dict[str, Any] = {"kills": 4, "agents": 2, "seed": 59}
+# --ha: 5 kills, 2 agents; seed 139's killer picks each kind of victim once (the leader first).
+QUICK_HA: dict[str, Any] = {"kills": 5, "agents": 2, "seed": 139}
 
 
 async def traffic(gateway: GatewayProcess, ledger: Ledger, stop: asyncio.Event) -> None:
@@ -188,6 +155,7 @@ async def check(stack: Stack, ledger: Ledger) -> dict[str, Any]:
         missing += not ok
     if missing:
         problems.append(f"{missing} acknowledged operations have no event")
+    problems += ops_problems(check_ops_in_order(log, ledger))
     # Live equals rebuild.
     state = projections.rebuild(log)
     rebuilt = {n: c.spec.replicas for n, c in state.clusters.clusters.items()}
@@ -203,7 +171,7 @@ async def check(stack: Stack, ledger: Ledger) -> dict[str, Any]:
     try:
         while len(published) < info.state.messages:
             msg = await sub.next_msg(timeout=10.0)
-            published.append(int(msg.headers["Gpumesh-Position"]))
+            published.append(int(msg.headers["Gpumesh-Position"]) if msg.headers else -1)
     finally:
         await sub.unsubscribe()
     if published != positions:
@@ -266,12 +234,36 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--agents", type=int, default=3)
     parser.add_argument("--json", action="store_true")
-    add_quick(parser, " ".join(f"--{k} {v}" for k, v in QUICK.items()))
+    parser.add_argument(
+        "--ha",
+        action="store_true",
+        help="high-availability shape: 3 nats-servers, 2 controllers on the JetStream log",
+    )
+    parser.add_argument("--clients", type=int, default=4, help="--ha: gateway clients")
+    parser.add_argument("--keep", help="--ha: keep the stack's files (logs) in this directory")
+    add_quick(
+        parser,
+        " ".join(f"--{k} {v}" for k, v in QUICK.items())
+        + "; with --ha "
+        + " ".join(f"--{k} {v}" for k, v in QUICK_HA.items()),
+    )
     arguments = parser.parse_args()
-    apply_quick(parser, arguments, **QUICK)
+    apply_quick(parser, arguments, **(QUICK_HA if arguments.ha else QUICK))
     configure_logging(level="warning", json=False, stream=sys.stderr)
     announce(arguments, json_output=arguments.json)
-    outcome = mark(arguments, asyncio.run(main(arguments)))
+    if arguments.ha:
+        from bench._crashloop_ha import run_ha
+
+        run = run_ha(
+            kills=arguments.kills,
+            seed=arguments.seed,
+            agents=arguments.agents,
+            clients=arguments.clients,
+            keep=arguments.keep,
+        )
+    else:
+        run = main(arguments)
+    outcome = mark(arguments, asyncio.run(run))
     if arguments.json:
         print(json.dumps(outcome, indent=2))
     else:

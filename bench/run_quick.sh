@@ -30,6 +30,7 @@ QUICK=(
     "failover.py --clients 4 --controller-down 2 --seconds 6"
     "gateway.py"
     "crashloop.py"
+    "crashloop.py --ha"
     "soak.py"
 )
 

@@ -412,6 +412,35 @@ class Stack:
         self.standbys.append(child)
         return child
 
+    async def kill_standby(self, child: _Child) -> int:
+        """SIGKILL a controller that start_standby started (its process group); returns when it
+        is reaped (wall ns, the moment of the kill), after which it is no longer a standby of
+        the stack."""
+        at = time.time_ns()
+        _kill_group(child.pid)
+        await asyncio.to_thread(child.popen.wait, 10)
+        if child in self.standbys:
+            self.standbys.remove(child)
+        self._reaped.append(child)
+        return at
+
+    async def stop_controller(self, *, timeout: float = 30.0) -> None:
+        """SIGTERM the first controller (it stops its work, then releases the leader lease for
+        a standby to take at once) and wait until it has exited; the stack then has none of
+        its own (start_controller starts one again)."""
+        child = self.controller
+        if child is None:
+            raise RuntimeError("no controller")
+        with contextlib.suppress(ProcessLookupError):
+            child.popen.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(child.popen.wait, timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(child.pid)
+            await asyncio.to_thread(child.popen.wait, 10)
+        self._reaped.append(child)
+        self.controller = None
+
     async def _controller_answers(self) -> bool:
         if self.controller is not None and self.controller.popen.poll() is not None:
             raise AssertionError(
