@@ -452,6 +452,10 @@ class JetStreamDifferential(StoreDifferential):
 
     async def open_other(self) -> EventStore:
         live = {e.event_id for e in self.memory.read_all_now()}
+        # Every id ever attempted, not only those seen stored after a step: a step can store
+        # an event and compact it away before the invariant looks (concurrent appends with a
+        # compaction among them).
+        self._ever_stored |= {e.event_id for a in getattr(self, "_attempts", ()) for e in a.events}
         self._compacted_before_reopen |= self._ever_stored - live
         return await open_jetstream(self._options)
 
