@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from events.errors import EventStoreError
 from events.store import EventStore
 from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import Clock
@@ -39,6 +40,7 @@ from .leadership import Leadership, LeaseTiming
 from .live_state import LiveState
 from .roster import Roster, RosterEntry
 
+T = TypeVar("T")
 LogKind = Literal["sqlite", "jetstream"]
 LOG_KINDS: tuple[LogKind, ...] = ("sqlite", "jetstream")
 REPORT_EVERY_S = 1.0
@@ -92,10 +94,7 @@ class ControllerProcess:
         """Until cancelled: follow, campaign, lead, stand by again."""
         try:
             if self.config.log == "jetstream":
-                self._store = await self._open_jetstream()
-                self.live = LiveState(self._store)
-                await self.live.catch_up()
-                self._say("log_followed", position=self.live.position)
+                await self._open_until_it_answers()
                 self._follow()
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._report_loop(), name="roster")
@@ -125,13 +124,21 @@ class ControllerProcess:
             store = self._store
         try:
             guarded = fenced(store, self.leadership, term=term)
-            commands = FencedCommands(await JetStreamCommandQueue.create(self.bus), self.leadership)
-            await ensure_routing_log(self.bus)
+            queue = await self._until_done(
+                lambda: JetStreamCommandQueue.create(self.bus), "the command stream"
+            )
+            commands = FencedCommands(queue, self.leadership)
+            await self._until_done(lambda: ensure_routing_log(self.bus), "the routing stream")
             config = replace(self.config.controller, term=term)
             state = self.live.state if self.live is not None else None
             controller = Controller(real_env(guarded, bus=self.bus), commands, config, state=state)
             self.controller = controller
             await controller.run(extra=[OutboxPublisher(guarded, self.bus).run])
+        except Exception:
+            # The leadership says in one line why the term ended; the whole story here.
+            if self._log is not None:
+                self._log.exception("term_failed", controller=self.controller_id, term=term)
+            raise
         finally:
             self.controller = None
             if opened is not None:
@@ -139,6 +146,21 @@ class ControllerProcess:
             elif self.live is not None:
                 # The term's fold is still a fold of the log: stand by from where it is.
                 self._follow()
+
+    async def _until_done(self, make: Callable[[], Awaitable[T]], what: str) -> T:
+        """A setup step of the term, asked again while NATS cannot take it (a stream electing
+        its leader after a server died answers nothing for a few seconds); given up, and the
+        term with it, only once the lease may have lapsed."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return await make()
+            except (BusError, ControllerError, EventStoreError) as exc:
+                if not self.leadership.holds_lease():
+                    raise
+                self._say("term_setup_retry", what=what, attempt=attempt, error=str(exc))
+                await asyncio.sleep(0.25)
 
     # -- standing by -------------------------------------------------------------------
 
@@ -152,6 +174,27 @@ class ControllerProcess:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+    async def _open_until_it_answers(self) -> None:
+        """Open the log and fold it, trying again while NATS cannot answer: a controller that
+        starts while a server of the cluster is down, or a stream elects its leader, waits
+        for it rather than exiting (there is nothing it could do without its log)."""
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self._store = await self._open_jetstream()
+                self.live = LiveState(self._store)
+                await self.live.catch_up()
+            except EventStoreError as exc:
+                if self._store is not None:
+                    await self._store.close()
+                self._store, self.live = None, None
+                self._say("log_unavailable", attempt=attempt, error=str(exc))
+                await asyncio.sleep(min(5.0, 0.5 * attempt))
+                continue
+            self._say("log_followed", position=self.live.position, attempts=attempt)
+            return
 
     async def _open_jetstream(self) -> EventStore:
         from events.jetstream_store import JetStreamEventStore, JetStreamOptions

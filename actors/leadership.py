@@ -164,7 +164,7 @@ class Leadership:
         try:
             while not reason:
                 if task.done():
-                    reason = "the leader's work ended"
+                    reason = _ended(task)
                     break
                 if self._deposed.is_set():
                     reason = self._deposed_why
@@ -219,6 +219,18 @@ class Leadership:
     def _say(self, event: str, **fields: object) -> None:
         if self._log is not None:
             self._log.info(event, controller=self.controller_id, **fields)
+
+
+def _ended(task: asyncio.Task[None]) -> str:
+    """Why a term's work stopped on its own: its error, in one line, when it failed."""
+    if task.cancelled():
+        return "the leader's work was cancelled"
+    exc = task.exception()
+    if exc is None:
+        return "the leader's work ended"
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"the leader's work failed: {type(exc).__name__}: {exc}"
 
 
 async def _stop(task: asyncio.Task[None]) -> None:

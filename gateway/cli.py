@@ -132,6 +132,14 @@ def add_arguments(gw: argparse.ArgumentParser) -> None:
     gw.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM)")
     gw.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     gw.add_argument("--no-access-log", action="store_true", help="do not log a line per request")
+    gw.add_argument(
+        "--routes-wait",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="listen only once a first routing table is in (from the controller, or the last "
+        "one kept on JetStream), waiting at most this long (default 10; 0: listen at once)",
+    )
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -166,6 +174,7 @@ def config_from(args: argparse.Namespace) -> Any:
         tls_key=args.tls_key,
         header_timeout_s=args.header_timeout,
         request_body_timeout_s=args.body_timeout,
+        routes_wait_s=args.routes_wait,
     )
 
 

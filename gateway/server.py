@@ -62,6 +62,10 @@ class GatewayConfig:
     header_timeout_s: float = 15.0
     request_body_timeout_s: float = 30.0  # the whole request body, once the head is in
     connect_timeout: float = 2.0
+    # Listen only once a first routing table is in (from the controller, or the last one on
+    # JetStream), waiting at most this long: a gateway that listened at once would answer 503
+    # to everything until then, and a load balancer checking TCP would send it traffic.
+    routes_wait_s: float = 0.0
 
 
 class Gateway:
@@ -171,23 +175,24 @@ class Gateway:
         loop = asyncio.get_running_loop()
         listener: asyncio.Server | None = None
         try:
-            listener = await loop.create_server(
-                front,
-                self.config.host,
-                self.config.port,
-                ssl=self._tls(),
-                backlog=4096,
-                reuse_address=True,
-            )
-            port = listener.sockets[0].getsockname()[1]
-            scheme = "https" if self.config.tls_cert else "http"
-            self.url = f"{scheme}://{self.config.host}:{port}"
-            if not self.keys.enabled:
-                self.log.warning("auth_disabled", hint="no key file: every client is admitted")
-            self.log.info("gateway_listening", url=self.url, transport=self.transport.name)
-            self.started.set()
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self.feed.run(), name="routing-feed")
+                await self._first_table()
+                listener = await loop.create_server(
+                    front,
+                    self.config.host,
+                    self.config.port,
+                    ssl=self._tls(),
+                    backlog=4096,
+                    reuse_address=True,
+                )
+                port = listener.sockets[0].getsockname()[1]
+                scheme = "https" if self.config.tls_cert else "http"
+                self.url = f"{scheme}://{self.config.host}:{port}"
+                if not self.keys.enabled:
+                    self.log.warning("auth_disabled", hint="no key file: every client is admitted")
+                self.log.info("gateway_listening", url=self.url, transport=self.transport.name)
+                self.started.set()
                 tasks.create_task(self._publish_suspicions(), name="suspicions")
         finally:
             # Stop listening and wait for in-flight requests; when the grace ends, cut what is
@@ -206,6 +211,20 @@ class Gateway:
                 cut.cancel()
                 self.proxy.access_log.flush()
             await self.transport.close()
+
+    async def _first_table(self) -> None:
+        wait = self.config.routes_wait_s
+        if wait <= 0 or self.feed.ready.is_set():
+            return
+        try:
+            async with asyncio.timeout(wait):
+                await self.feed.ready.wait()
+        except TimeoutError:
+            self.log.warning(
+                "routes_not_in",
+                detail="listening without a routing table: 503 until one arrives",
+                waited_s=wait,
+            )
 
     def _tls(self) -> ssl.SSLContext | None:
         if self.config.tls_cert is None:
