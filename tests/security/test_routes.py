@@ -188,6 +188,13 @@ async def test_routes_refuse_a_server_without_tls_another_ca_or_the_password(
             await asyncio.sleep(0.05)
         for outsider in (plain, other_ca, wrong):
             assert await outsider.routes() == 0, outsider.member.server_name
+        # A member's file also asks for an fsync per write (docs/jetstream-durability.md), and
+        # the server keeps it beside the store directory its command line gives.
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"http://127.0.0.1:{member.http_port}/varz") as resp,
+        ):
+            assert (await resp.json())["jetstream"]["config"]["sync_always"] is True
         admin = load_credentials(layout.creds("admin"))
         inside = await NatsBus.connect(cluster.urls, name="inside", credentials=admin)
         joined = await NatsBus.connect(member.url, name="joined")
