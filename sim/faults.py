@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import replace
+from functools import partial
+from typing import TYPE_CHECKING, Final
 
 from events.contract.messages import Fault
 
@@ -23,6 +25,12 @@ if TYPE_CHECKING:
 
 Undo = Callable[[], None]
 
+NATS_SERVERS: Final = 3  # nats_server_loss: the cluster's size; its clients spread over them
+# A client of a dead server reconnects to another after this long (drawn per client), plus the
+# network's own reconnect wait; the leader lease's stream, if the dead server led it, elects a
+# new leader in the same time (it answers nothing meanwhile).
+NATS_RECONNECT_S: Final = (1.0, 2.0)
+
 
 class FaultRunner:
     def __init__(self, world: World) -> None:
@@ -30,6 +38,11 @@ class FaultRunner:
         self.rng = world.derive("faults")
         self.timeline: FaultTimeline[Undo] = FaultTimeline()
         self._background: list[asyncio.Task[None]] = []
+        # nats_server_loss: which server each client is connected to, drawn when first needed
+        # from a stream of its own (the other faults' victims do not move); the dead one.
+        self._nats_rng = world.derive("nats-servers")
+        self._server_of: dict[str, int] = {}
+        self._server_down: int | None = None
 
     async def run(self, faults: Sequence[FaultPlan], *, until: float) -> None:
         world = self.world
@@ -65,11 +78,20 @@ class FaultRunner:
     def _apply(self, fault: FaultPlan) -> None:
         world = self.world
         kind = fault.kind
-        if kind == "controller_crash":
+        if kind in ("controller_crash", "leader_crash", "leader_pause"):
+            if world.controllers is not None:
+                self._leader_fault(fault)
+                return
+            if kind == "leader_pause":
+                self._pause_single(fault)
+                return
             world.crash_controller()
-            world.checker.fault("controller_crash", None, world.now())
-            world.note("fault  controller_crash")
-            self._later(fault, "controller_crash (restarted)", world.start_controller)
+            world.checker.fault(kind, None, world.now())
+            world.note(f"fault  {kind}")
+            self._later(fault, f"{kind} (restarted)", world.start_controller)
+            return
+        if kind == "nats_server_loss":
+            self._nats_server_loss(fault)
             return
         if kind == "nats_outage":
             world.network.outage(True)
@@ -80,7 +102,7 @@ class FaultRunner:
             def back() -> None:
                 world.network.outage(False)
                 for node in world.nodes.values():
-                    if node.powered and not node.hung and not node.partitioned:
+                    if node.powered and not (node.hung or node.partitioned or node.nats_cut):
                         node.commands.open.set()
 
             self._later(fault, "nats_outage", back)
@@ -88,12 +110,24 @@ class FaultRunner:
         if kind == "controller_partition":
             # Its NATS connection only: it keeps running, hears no heartbeat and reaches no
             # agent; agents get "no responders" and keep their leases (docs/security.md).
-            world.network.isolate("controller")
+            if world.controllers is not None:
+                # The leader's: it cannot renew its lease and stops at its own expiry; a
+                # standby takes over once the key expires on the server.
+                leader = world.controllers.leader()
+                name = leader.name if leader is not None else world.controller_names[0]
+                world.cut_off(name, kind)
+                if leader is not None:
+                    world.checker.leader_lost(world.now())
+                world.note(f"fault  controller_partition {name}")
+                healed = partial(self._rejoin, name, kind)
+                self._later(fault, f"controller_partition {name}", healed)
+                return
+            world.cut_off("controller", kind)
             world.checker.controller_down(world.now())
             world.note("fault  controller_partition")
 
             def reconnect() -> None:
-                world.network.reconnect("controller")
+                world.cut_ends("controller", kind)
                 world.checker.controller_up(world.now())
 
             self._later(fault, "controller_partition", reconnect)
@@ -101,13 +135,13 @@ class FaultRunner:
         if kind == "gateway_partition":
             # Its NATS connection only: HTTP to the nodes still goes through, on a routing
             # table that no longer changes. The nodes' fences are all that keep it safe.
-            world.network.isolate("gateway")
-            world.checker.gateway_cut(world.now())
+            if world.cut_off("gateway", kind):
+                world.checker.gateway_cut(world.now())
             world.note("fault  gateway_partition")
 
             def rejoin() -> None:
-                world.network.reconnect("gateway")
-                world.checker.gateway_back(world.now())
+                if world.cut_ends("gateway", kind):
+                    world.checker.gateway_back(world.now())
 
             self._later(fault, "gateway_partition", rejoin)
             return
@@ -120,6 +154,128 @@ class FaultRunner:
             world.note(f"fault  {what}")
             world.checker.fault(kind, node, world.now(), fault.duration_s)
             self._node_fault(fault, node, what)
+
+    def _leader_fault(self, fault: FaultPlan) -> None:
+        """leader_crash (and controller_crash) and leader_pause, with standbys: the process
+        that leads now is killed, or frozen for `duration_s`."""
+        world = self.world
+        controllers = world.controllers
+        assert controllers is not None
+        kind = fault.kind
+        leader = controllers.leader()
+        if leader is None:
+            world.note(f"fault  {kind}: no controller leads (skipped)")
+            return
+        world.checker.leader_lost(world.now())
+        what = f"{kind} {leader.name} (term {leader.term})"
+        world.note(f"fault  {what}")
+        if kind == "leader_pause":
+            controllers.pause(leader)
+            self._later(fault, what, lambda: controllers.resume(leader))
+            return
+        controllers.kill(leader)
+        index = leader.index
+
+        def restart() -> None:
+            controllers.start(index)
+
+        self._later(fault, f"{what}: restarted", restart)
+
+    def _pause_single(self, fault: FaultPlan) -> None:
+        """leader_pause with no standby: the one controller freezes, then goes on."""
+        from .controllers import _loop
+
+        world = self.world
+        loop = _loop()
+        world.checker.controller_down(world.now())
+        loop.freeze("controller")
+        world.note("fault  leader_pause controller")
+
+        def thaw() -> None:
+            loop.thaw("controller")
+            world.checker.controller_up(world.now())
+
+        self._later(fault, "leader_pause controller", thaw)
+
+    def _server(self, client: str) -> int:
+        server = self._server_of.get(client)
+        if server is None:
+            server = self._server_of[client] = self._nats_rng.randint(0, NATS_SERVERS - 1)
+        return server
+
+    def _nats_server_loss(self, fault: FaultPlan) -> None:
+        """One NATS server of NATS_SERVERS dies: every client connected to it (a seed-drawn
+        share of the nodes, the gateway and the controllers) is cut off, and reconnects to
+        another server NATS_RECONNECT_S later. The streams keep three copies and lose none.
+        The server is back after `duration_s`; a second loss while one is down is skipped
+        (two of three down is a lost quorum, not this fault)."""
+        world = self.world
+        rng = self._nats_rng
+        if self._server_down is not None:
+            world.note("fault  nats_server_loss: a server is down already (skipped)")
+            return
+        dead = rng.randint(0, NATS_SERVERS - 1)
+        self._server_down = dead
+        clients = [
+            *world.controller_names,
+            "gateway",
+            *(n for n, node in sorted(world.nodes.items()) if node.powered),
+        ]
+        victims = [name for name in clients if self._server(name) == dead]
+        world.note(f"fault  nats_server_loss nats-{dead} ({len(victims)} clients cut off)")
+        now = world.now()
+        controllers = world.controllers
+        leader = controllers.leader() if controllers is not None else None
+        for name in victims:
+            delay = rng.uniform(*NATS_RECONNECT_S)
+            # It reconnects to one of the others, and stays there.
+            self._server_of[name] = (dead + 1 + rng.randint(0, NATS_SERVERS - 2)) % NATS_SERVERS
+            back = replace(fault, duration_s=delay)
+            what = f"nats_server_loss {name} (reconnected)"
+            node = world.nodes.get(name)
+            if node is not None:
+                node.nats_cut = True
+                world.network.isolate(name)
+                node.commands.open.clear()
+                self.timeline.ends_after(back, now, what, partial(self._node_back, node))
+                continue
+            if name == "gateway":
+                if world.cut_off(name, "nats_server_loss"):
+                    world.checker.gateway_cut(now)
+            else:
+                world.cut_off(name, "nats_server_loss")
+                if controllers is None:
+                    world.checker.controller_down(now)
+                elif leader is not None and leader.name == name:
+                    world.checker.leader_lost(now)
+            self.timeline.ends_after(back, now, what, partial(self._client_back, name))
+        if controllers is not None and rng.random() < 1 / NATS_SERVERS:
+            # The dead server led the lease's stream: it answers nobody until a new leader is
+            # elected among the other two.
+            election = rng.uniform(*NATS_RECONNECT_S)
+            controllers.key.unavailable_until = now + election
+            world.note(f"nats_server_loss: the lease's stream elects a leader ({election:.1f} s)")
+
+        def server_back() -> None:
+            self._server_down = None
+
+        if fault.duration_s is not None:
+            self._later(fault, f"nats_server_loss nats-{dead} (back)", server_back)
+
+    def _rejoin(self, name: str, why: str) -> None:
+        self.world.cut_ends(name, why)
+
+    def _node_back(self, node: SimNode) -> None:
+        node.nats_cut = False
+        self.world.rejoin(node)
+
+    def _client_back(self, name: str) -> None:
+        world = self.world
+        if world.cut_ends(name, "nats_server_loss"):
+            if name == "gateway":
+                world.checker.gateway_back(world.now())
+            elif world.controllers is None:
+                world.checker.controller_up(world.now())
 
     def _node_fault(self, fault: FaultPlan, node: SimNode, what: str) -> None:
         world = self.world
@@ -210,7 +366,7 @@ class FaultRunner:
 
 def _others(world: World, node: SimNode) -> list[str]:
     return [
-        "controller",
+        *world.controller_names,
         "gateway",
         "client",
         *(n for n in sorted(world.nodes) if n != node.node_id),

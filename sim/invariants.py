@@ -25,6 +25,7 @@ from events import (
     ReplicaReady,
 )
 from events.contract.messages import RouteEntry
+from events.controller import ControllerGrace
 from projections import FleetState
 
 from .clock import SIM_EPOCH_NS
@@ -86,6 +87,12 @@ class Checker:
         self._gateway_back_at = -math.inf
         self._pending: list[_Pending] = []
         self._controller_down: list[list[float]] = []  # [from, until]; until inf while down
+        # one_writer: the newest term that has appended to the log, who wrote it, and when.
+        self._newest_term = 0
+        self._newest_writer = ""
+        self._newest_at = 0.0
+        self._stale_writers: set[tuple[str, int]] = set()  # reported once; never iterated
+        self.appends_by_term: dict[int, int] = {}
         self._caught_up = asyncio.Event()
 
     # -- as the run goes -----------------------------------------------------------------
@@ -125,6 +132,10 @@ class Checker:
                     if pending.node_id == payload.node_id and not pending.detected:
                         pending.detected = True
                         self.timings.detection[pending.kind].append(at - pending.at)
+        elif isinstance(payload, ControllerGrace) and _standbys(self.world):
+            # A leader that begins to hear (a new term, or back on NATS) detects nothing it
+            # does not hear from until its grace is over: count it as up only from then.
+            self.controller_up(at + payload.grace_s)
         elif isinstance(payload, ReplicaReady):
             for pending in self._pending:
                 old = pending.replicas.get(payload.replica_id)
@@ -256,6 +267,34 @@ class Checker:
     def controller_down(self, at: float) -> None:
         self._controller_down.append([at, math.inf])
 
+    def leader_lost(self, at: float) -> None:
+        """With standbys: a fault stopped the leader acting (crash, pause, cut-off) at `at`,
+        until a leader's next grace event (controller_up) says when one detects again."""
+        down = self._controller_down
+        if down and down[-1][1] == math.inf:
+            return
+        if down and down[-1][1] > at:
+            down[-1][1] = math.inf  # still in the last one's grace: that one goes on
+            return
+        down.append([at, math.inf])
+
+    def on_append(self, writer: str, term: int, at: float) -> None:
+        """`writer`, leading in `term`, got an append into the log at `at`. No term older than
+        the newest that has appended may append again: two leaders would be writing."""
+        self.appends_by_term[term] = self.appends_by_term.get(term, 0) + 1
+        if term < self._newest_term:
+            if (writer, term) not in self._stale_writers:
+                self._stale_writers.add((writer, term))
+                self._violate(
+                    at,
+                    "one_writer",
+                    f"{writer} appended in term {term} after {self._newest_writer} had "
+                    f"appended in term {self._newest_term} (at {self._newest_at:.3f})",
+                )
+            return
+        if term > self._newest_term:
+            self._newest_term, self._newest_writer, self._newest_at = term, writer, at
+
     def controller_up(self, at: float) -> None:
         if self._controller_down and self._controller_down[-1][1] == math.inf:
             self._controller_down[-1][1] = at
@@ -332,3 +371,9 @@ class Checker:
                 )
         for short in short_in(live_state, settle_s=world.scenario.settle_s):
             self._violate(now, "liveness", short.detail)
+
+
+def _standbys(world: object) -> bool:
+    """Whether `world` runs standby controllers (a simulated World with `controllers`; never
+    `gpumesh chaos`'s run, which checks a real stack's log with this checker)."""
+    return getattr(world, "controllers", None) is not None

@@ -12,6 +12,10 @@ timers due at the same instant run in the order they were scheduled (asyncio lea
 to the heap), and a timer for an instant that already has one (a fleet's heartbeats, messages
 the network delivers on its tick) costs a dict lookup and an append instead of a heap push and
 pop.
+A simulated process can be frozen, as by SIGSTOP: `freeze(name)` holds every callback whose
+context has `PROCESS` set to `name` (a process's tasks, and the timers and wake-ups they
+scheduled, inherit it) until `thaw(name)` puts them back, in the order they came due, at the
+virtual time of the thaw. Run a process's root task in `process_context(name)`.
 Debug mode (`PYTHONASYNCIODEBUG`) keeps asyncio's checks on scheduling (thread, callback);
 its slow-callback warning has nothing to measure here: virtual time stands still while a
 callback runs.
@@ -47,6 +51,17 @@ _PURGE_AT = 100
 # simulated messages and rescans the survivors each time. Measured on fleet-100 seed 3:
 # 5-11 % of the run's CPU time.
 _SIM_GC_THRESHOLD = (50_000, 20, 100)
+
+PROCESS: contextvars.ContextVar[str] = contextvars.ContextVar("sim_process", default="")
+"""The simulated process a task belongs to (see SimEventLoop.freeze)."""
+
+
+def process_context(name: str) -> contextvars.Context:
+    """A context for the root task of the simulated process `name` (create_task(context=))."""
+    context = contextvars.copy_context()
+    context.run(PROCESS.set, name)
+    return context
+
 
 _heappush = heapq.heappush
 _heappop = heapq.heappop
@@ -172,12 +187,32 @@ class SimEventLoop(asyncio.SelectorEventLoop):
         self._timers: list[float] = []  # a heap of the instants that have a bucket
         self._buckets: dict[float, list[Any]] = {}  # instant -> its TimerHandles, in order
         self._timer_handles = 0  # in all buckets, cancelled ones included
+        self._frozen: set[str] = set()  # processes stopped (freeze); membership tests only
+        self._held: list[asyncio.Handle] = []  # their callbacks that came due, in that order
         selector = _VirtualSelector(self)
         super().__init__(selector)
         selector.sealed = True
 
     def time(self) -> float:
         return self._now
+
+    def freeze(self, name: str) -> None:
+        """Stop the process `name` (SIGSTOP): none of its callbacks runs until `thaw`."""
+        self._frozen.add(name)
+
+    def thaw(self, name: str) -> None:
+        """Let the process `name` run again (SIGCONT): what came due meanwhile runs now."""
+        self._frozen.discard(name)
+        held, self._held = self._held, []
+        ready: Any = self._ready  # type: ignore[attr-defined]
+        for handle in held:
+            if handle._context.get(PROCESS) == name:  # type: ignore[attr-defined]
+                ready.append(handle)
+            else:
+                self._held.append(handle)
+
+    def frozen(self, name: str) -> bool:
+        return name in self._frozen
 
     # -- the scheduling core, for virtual time ----------------------------------------------
 
@@ -266,9 +301,13 @@ class SimEventLoop(asyncio.SelectorEventLoop):
                     self._timer_cancelled_count -= 1
                 else:
                     ready.append(handle)
+        frozen = self._frozen
         for _ in range(len(ready)):
             handle = ready.popleft()
             if not handle._cancelled:
+                if frozen and handle._context.get(PROCESS) in frozen:
+                    self._held.append(handle)
+                    continue
                 handle._run()
 
     def _drop(self, when: float) -> None:

@@ -4,6 +4,7 @@
     duration_s = 300            # virtual seconds of the run (faults stop by then)
     buggify = false             # true: the code's named fault sites misbehave (seed-chosen)
     settle_s = 120              # then this long with no fault: liveness is checked at the end
+    controllers = 1             # 2 or more: standbys under a leader lease (sim/controllers.py)
 
     [fleet]
     nodes = 10
@@ -51,6 +52,9 @@ FaultKind = Literal[
     "gateway_partition",  # the gateway loses NATS (its table goes stale) but still reaches nodes
     "controller_partition",  # the controller loses NATS; it runs on, hearing and telling nobody
     "churn",  # `count` nodes leave and `count` new ones join, every `period_s`
+    "leader_crash",  # the leading controller dies (SIGKILL); restarted after duration_s, if given
+    "leader_pause",  # the leading controller freezes (SIGSTOP) for duration_s, then goes on
+    "nats_server_loss",  # one NATS server of 3 dies: its clients reconnect to another in 1-2 s
 ]
 FAULT_KINDS: tuple[str, ...] = get_args(FaultKind)
 NODE_FAULTS = frozenset(FAULT_KINDS) - {
@@ -59,6 +63,9 @@ NODE_FAULTS = frozenset(FAULT_KINDS) - {
     "gateway_partition",
     "controller_partition",
     "churn",
+    "leader_crash",
+    "leader_pause",
+    "nats_server_loss",
 }
 
 
@@ -108,6 +115,7 @@ class Scenario:
     rate_per_s: float = 0.0
     faults: tuple[FaultPlan, ...] = ()
     buggify: bool = False  # turn on a seed-chosen share of the code's fault-injection sites
+    controllers: int = 1  # more than 1: standbys under the leader lease (sim/controllers.py)
 
     def with_faults(self, faults: tuple[FaultPlan, ...]) -> Scenario:
         from dataclasses import replace
@@ -130,7 +138,7 @@ def load(path: Path) -> Scenario:
 
 def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scenario:
     _only(raw, "", {"name", "description", "duration_s", "settle_s", "fleet", "clusters",
-                    "traffic", "faults", "buggify"})  # fmt: skip
+                    "traffic", "faults", "buggify", "controllers"})  # fmt: skip
     fleet_raw = _table(raw, "fleet")
     _only(fleet_raw, "fleet.", {"nodes", "gpus", "regions"})
     fleet = Fleet(
@@ -173,6 +181,7 @@ def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scen
         rate_per_s=_float(traffic, "traffic.rate_per_s", "rate_per_s", 0.0, low=0.0),
         faults=tuple(sorted(faults, key=lambda f: f.at_s)),
         buggify=_bool(raw, "buggify", False),
+        controllers=_int(raw, "controllers", "controllers", 1, low=1, high=5),
     )
 
 
@@ -185,6 +194,8 @@ def _fault(raw: dict[str, Any], where: str, duration: float) -> FaultPlan:
     at = _float(raw, where + "at_s", "at_s", 0.0, low=0.0)
     if at >= duration:
         raise ScenarioError(f"{where}at_s: {at:g} is not before duration_s {duration:g}")
+    if kind == "leader_pause" and raw.get("duration_s") is None:
+        raise ScenarioError(f"{where}duration_s: a pause needs one (how long it is frozen)")
     nodes = raw.get("nodes", "1")
     if isinstance(nodes, list):
         if not all(isinstance(n, str) for n in nodes):

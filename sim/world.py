@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,8 +39,10 @@ from .buggify import Buggify
 from .clients import TRAFFIC_AFTER_S, cluster_spec, poisson_traffic
 from .clock import SimClock
 from .commands import MemoryCommandQueue
+from .controllers import Controllers
 from .env import SeededStreams
 from .invariants import Checker
+from .loop import process_context
 from .network import SimNetwork
 from .scenario import FaultKind, FaultPlan, Scenario
 
@@ -88,6 +91,7 @@ class SimNode:
     powered: bool = True
     hung: bool = False
     partitioned: bool = False
+    nats_cut: bool = False  # its NATS server died; it has not yet reconnected to another
     slow_s: float = 0.0
     incarnation: int = 0
     index: int = 0
@@ -167,8 +171,13 @@ class World:
         self.requests: dict[str, RequestLog] = {}
         self.timeline: list[str] = []
         self.checker = Checker(self)
-        self.controller: Controller | None = None
+        self.controller: Controller | None = None  # the one that runs (leads) now
         self._controller_task: asyncio.Task[None] | None = None
+        # With standbys (`controllers` > 1), the controller processes and the lease.
+        self.controllers: Controllers | None = None
+        if scenario.controllers > 1:
+            self.controllers = Controllers(self, scenario.controllers)
+        self._cut_for: dict[str, list[str]] = {}  # endpoint -> why it is cut off from NATS
         self._tasks: asyncio.TaskGroup | None = None
         self._node_counter = 0
         self.router = Router(SimClock(), self.derive("router"), RouterConfig())
@@ -200,9 +209,38 @@ class World:
         line = f"{self.now():9.3f}  {text}"
         self.timeline.append(line)
 
-    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+    def spawn(
+        self, coro: Any, name: str, *, context: contextvars.Context | None = None
+    ) -> asyncio.Task[Any]:
         assert self._tasks is not None
-        return self._tasks.create_task(coro, name=name)
+        if context is None:
+            return self._tasks.create_task(coro, name=name)
+        return self._tasks.create_task(coro, name=name, context=context)
+
+    @property
+    def controller_names(self) -> list[str]:
+        """The controllers' NATS endpoints."""
+        return ["controller"] if self.controllers is None else self.controllers.names
+
+    def cut_off(self, endpoint: str, why: str) -> bool:
+        """`endpoint` loses NATS for `why` (a fault); True if it was connected until now."""
+        reasons = self._cut_for.setdefault(endpoint, [])
+        reasons.append(why)
+        if len(reasons) == 1:
+            self.network.isolate(endpoint)
+            return True
+        return False
+
+    def cut_ends(self, endpoint: str, why: str) -> bool:
+        """`why` no longer cuts `endpoint` off; True if it now reconnects (nothing else does)."""
+        reasons = self._cut_for.get(endpoint, [])
+        if why in reasons:
+            reasons.remove(why)
+        if not reasons:
+            self._cut_for.pop(endpoint, None)
+            self.network.reconnect(endpoint)
+            return True
+        return False
 
     # -- the run -------------------------------------------------------------------------
 
@@ -212,7 +250,11 @@ class World:
         block ends; every task belongs to one TaskGroup and is cancelled on the way out."""
         async with asyncio.TaskGroup() as tasks:
             self._tasks = tasks
-            self.start_controller()
+            if self.controllers is not None:
+                self.controllers.start_all()
+                await self.controllers.first_leader.wait()
+            else:
+                self.start_controller()
             assert self.controller is not None
             await self.controller.ready.wait()
             for _ in range(self.scenario.fleet.nodes):
@@ -253,12 +295,17 @@ class World:
             for job in jobs:
                 job.cancel()
             await self.checker.finish()
+            if self.controllers is not None:
+                for line in self.controllers.report():
+                    self.note(line)
 
     def start_controller(self) -> None:
         if self._tasks is not None and self.controller is not None:
             self.checker.controller_up(self.now())
         self.controller = Controller(self.env("controller"), self.queue, ControllerConfig())
-        self._controller_task = self.spawn(self.controller.run(), "controller")
+        self._controller_task = self.spawn(
+            self.controller.run(), "controller", context=process_context("controller")
+        )
 
     def crash_controller(self) -> None:
         if self._controller_task is not None:
@@ -270,6 +317,8 @@ class World:
             self.spawn(self.network.endpoint("controller").close(), "close:controller")
 
     def stop_all(self) -> None:
+        if self.controllers is not None:
+            self.controllers.stop_all()
         self.crash_controller()
         for node in self.nodes.values():
             if node.task is not None:
@@ -330,7 +379,7 @@ class World:
     def rejoin(self, node: SimNode) -> None:
         """A fault that cut the node off ended: its network is back, unless another fault
         (power, hang, partition) still holds it cut off."""
-        if node.powered and not node.hung and not node.partitioned:
+        if node.powered and not node.hung and not node.partitioned and not node.nats_cut:
             self.network.reconnect(node.node_id)
             node.commands.open.set()
 

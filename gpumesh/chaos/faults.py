@@ -19,7 +19,7 @@ from events.contract.messages import Fault
 from sim.scenario import FaultPlan
 from sim.timeline import End, FaultTimeline
 
-from .kinds import CRASH_LOOP_EVERY_S, NETWORK_ONLY
+from .kinds import CRASH_LOOP_EVERY_S, HA_KINDS, NETWORK_ONLY, NOT_YET
 from .procfs import Proc, kill_workload, workloads_of
 from .stack import SPAWN_ERRORS, NodeState, draw
 
@@ -102,6 +102,8 @@ class RealFaults:
             self._nats_outage(fault)
         elif kind in ("gateway_partition", "controller_partition"):
             run.note(f"skip   {kind}: {NETWORK_ONLY}")
+        elif kind in HA_KINDS:
+            run.note(f"skip   {kind}: {NOT_YET}")
         elif kind == "churn":
             self._keep_going(self._churn(fault), "chaos:churn")
             run.note(f"fault  churn ({fault.count} nodes every {fault.period_s:g} s)")

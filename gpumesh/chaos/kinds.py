@@ -5,6 +5,8 @@ from __future__ import annotations
 
 NETWORK_ONLY = "skipped: needs network control (simulator only)"
 IN_UP = "skipped: controller runs inside gpumesh up"
+NOT_YET = "skipped: not yet played against a real stack (simulator only; gpumesh up --ha)"
+HA_KINDS = ("leader_crash", "leader_pause", "nats_server_loss")  # NOT_YET here
 CRASH_LOOP_EVERY_S = 0.5
 
 KIND_ACTIONS: dict[str, str] = {
@@ -33,6 +35,7 @@ KIND_ACTIONS: dict[str, str] = {
     "goes silent); SIGCONT after duration_s",
     "gateway_partition": NETWORK_ONLY,
     "controller_partition": NETWORK_ONLY,
+    **dict.fromkeys(HA_KINDS, NOT_YET),
     "churn": "every period_s for duration_s (default 60 s): power_loss of `count` nodes (started "
     "again when the run ends) and `count` new agents node-N with an existing agent's command line",
 }

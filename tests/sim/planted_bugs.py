@@ -50,3 +50,12 @@ def plant_stacking_bug(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def remove_planted_bugs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cluster_actor, "schedule", scheduler.schedule)
+
+
+def plant_expiry_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A leader that ignores its own expiry: it believes it holds the lease for as long as it
+    thinks it leads, so a leader woken from a pause past its lease (or cut off) writes until
+    a renewal tells it otherwise. The one_writer invariant must catch its writes."""
+    from actors.leadership import Leadership
+
+    monkeypatch.setattr(Leadership, "holds_lease", lambda self: self.role == "leader")

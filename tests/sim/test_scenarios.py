@@ -29,13 +29,34 @@ def test_the_issue_s_scenarios_ship() -> None:
 # a node cannot tell that from being cut off alone. Only a NATS cluster avoids it.
 # A controller cut off from NATS keeps its connection on the server until its pings time out:
 # heartbeats then find neither a lease nor "no responders", and every lease lapses.
-AVAILABILITY_FLOOR = {"nats-outage": 0.9, "controller-partition": 0.8}
+# With standbys, a leader frozen past its lease keeps its queue-group share of heartbeats: those
+# go unanswered until a standby leads and the agents' leases lapse meanwhile (leader-failover:
+# 95.3-100% per cluster over seeds 1-30, docs/simulation.md).
+AVAILABILITY_FLOOR = {"nats-outage": 0.9, "controller-partition": 0.8, "leader-failover": 0.94}
 # Faults that strike while no controller runs are detected only after it is back and its grace
 # (HealthPolicy.grace_s) has passed, not within the usual window.
-DETECTED_LATE = {"controller-outage", "controller-partition"}
+DETECTED_LATE = {"controller-outage", "controller-partition", "leader-failover"}
+# Scenarios that find a bug in production code not fixed yet: strict, so a fix shows up as a
+# pass that must remove the mark. leader-failover: a leader woken past its lease still answers
+# the heartbeats it queued while frozen with leases of its old term, and an agent that has not
+# yet heard the new term takes them, unfencing an epoch its successor has replaced
+# (one_serving_epoch; the fix, fencing HeartbeatAck by the lease as FencedStore fences appends,
+# is in tests/sim/test_leader_failover.py).
+KNOWN_BUG = {"leader-failover"}
 
 
-@pytest.mark.parametrize("name", QUICK)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(strict=True, reason="a deposed leader's heartbeat acks"),
+        )
+        if name in KNOWN_BUG
+        else name
+        for name in QUICK
+    ],
+)
 def test_a_shipped_scenario_runs_with_no_violation_and_detects_its_faults(name: str) -> None:
     scenario = load(SCENARIOS / f"{name}.toml")
     result, _ = run_scenario(scenario, seed=1)
@@ -49,6 +70,9 @@ def test_a_shipped_scenario_runs_with_no_violation_and_detects_its_faults(name: 
         "nats_outage",
         "gateway_partition",
         "controller_partition",
+        "leader_crash",
+        "leader_pause",
+        "nats_server_loss",
     }
     assert node_faults <= set(result.detection), (node_faults, result.detection)
     if name not in DETECTED_LATE:
