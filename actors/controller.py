@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -38,6 +39,7 @@ from runtime.supervision import SupervisionPolicy
 from runtime.system import ActorRef, ActorSystem
 
 from .cluster_actor import ClusterActor, ClusterMsg, Reconcile
+from .fenced_store import FencedBus, LeaseGuard
 from .health import HealthPolicy
 from .heartbeat_recorder import HeartbeatRecorder, NodeLiveness
 from .intake_limit import IntakeLimiter
@@ -81,9 +83,14 @@ class Controller:
         config: ControllerConfig | None = None,
         *,
         state: FleetState | None = None,
+        guard: LeaseGuard | None = None,
     ) -> None:
         """`state`: a fold of the log already made (a standby's), which `run` only brings up
-        to date instead of rebuilding."""
+        to date instead of rebuilding. `guard`: the leadership this controller runs under;
+        once it no longer holds the lease, nothing is published (actors/fenced_store.py,
+        FencedBus), which the store and the commands must be fenced for by their owner."""
+        if guard is not None:
+            env = dataclasses.replace(env, bus=FencedBus(env.bus, guard))
         self.env = env
         self.config = config or ControllerConfig()
         self.commands = _InTerm(commands, self.config.term) if self.config.term else commands

@@ -131,7 +131,13 @@ class ControllerProcess:
             await self._until_done(lambda: ensure_routing_log(self.bus), "the routing stream")
             config = replace(self.config.controller, term=term)
             state = self.live.state if self.live is not None else None
-            controller = Controller(real_env(guarded, bus=self.bus), commands, config, state=state)
+            controller = Controller(
+                real_env(guarded, bus=self.bus),
+                commands,
+                config,
+                state=state,
+                guard=self.leadership,
+            )
             self.controller = controller
             await controller.run(extra=[OutboxPublisher(guarded, self.bus).run])
         except Exception:
@@ -166,7 +172,10 @@ class ControllerProcess:
 
     def _follow(self) -> None:
         if self.live is not None and self._follower is None:
-            self._follower = asyncio.create_task(self.live.run(), name="follow-log")
+            # The store learns what the leader writes too, so that on taking over its appends
+            # find each stream where it is (events/jetstream_store/store.py, observe).
+            observe = getattr(self._store, "observe", None)
+            self._follower = asyncio.create_task(self.live.run(observe), name="follow-log")
 
     async def _stop_following(self) -> None:
         task, self._follower = self._follower, None

@@ -23,6 +23,7 @@ from typing import Protocol
 from events.envelope import Envelope, NewEvent
 from events.errors import EventStoreError
 from events.store import EventStore, RebuildReader, Snapshot
+from runtime.env import Bus, BusError, Msg, MsgHandler, ReconnectCallback, Subscription
 
 from .errors import ControllerError
 
@@ -112,6 +113,60 @@ class FencedRebuildStore(FencedStore):
 
     async def read_for_rebuild(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
         return await self._reader.read_for_rebuild(from_position, limit)
+
+
+class FencedBus:
+    """The Bus protocol over `inner`, refusing every publish once `guard` no longer holds the
+    lease: a leader paused past its lease, waking to the heartbeats queued for it, must not
+    answer them with leases of its old term (an agent that has not yet heard the new leader
+    would take one and serve a replica the new leader has moved: the simulator's
+    leader-failover scenario found it), nor publish an old routing table. Raises BusError,
+    which every publisher of the controller already handles as a publish that failed."""
+
+    def __init__(self, inner: Bus, guard: LeaseGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    @property
+    def is_connected(self) -> bool:
+        return self._inner.is_connected
+
+    @property
+    def max_payload(self) -> int:
+        return self._inner.max_payload
+
+    def new_inbox(self) -> str:
+        return self._inner.new_inbox()
+
+    def add_reconnect_callback(self, callback: ReconnectCallback) -> None:
+        self._inner.add_reconnect_callback(callback)
+
+    def remove_reconnect_callback(self, callback: ReconnectCallback) -> None:
+        self._inner.remove_reconnect_callback(callback)
+
+    async def publish(
+        self, subject: str, data: bytes, *, reply: str = "", headers: dict[str, str] | None = None
+    ) -> None:
+        if not self._guard.holds_lease():
+            reason = "the lease may have expired; this controller publishes nothing more"
+            self._guard.deposed(reason)
+            raise BusError(reason)
+        await self._inner.publish(subject, data, reply=reply, headers=headers)
+
+    async def subscribe(
+        self, subject: str, *, queue: str = "", handler: MsgHandler | None = None
+    ) -> Subscription:
+        return await self._inner.subscribe(subject, queue=queue, handler=handler)
+
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> Msg:
+        return await self._inner.request(subject, data, timeout=timeout, headers=headers)
 
 
 def fenced(store: EventStore, guard: LeaseGuard, *, term: int = 0) -> FencedStore:

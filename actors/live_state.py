@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 
 import projections
 from events import HEARTBEAT_TYPE, EventStore
+from events.envelope import Envelope
 from projections import FleetState
 from projections.catch_up import fold_log
 
@@ -33,8 +35,9 @@ class LiveState:
         await fold_log(self.store, self.state, skip_superseded_heartbeats=True)
         self._notify()
 
-    async def run(self) -> None:
-        """Follow the log until cancelled or the store closes.
+    async def run(self, observe: Callable[[list[Envelope]], None] | None = None) -> None:
+        """Follow the log until cancelled or the store closes; `observe` sees each batch
+        after it is folded in (a standby's store learning what the leader wrote).
 
         A commit's events are folded together and their waiters told once: telling them per
         event (a fresh Event each time) cost as much as folding a heartbeat, 1.3 against 0.7
@@ -49,6 +52,8 @@ class LiveState:
                     projections.apply(self.state, envelope)
                     quiet = quiet and envelope.type == HEARTBEAT_TYPE
                 self._notify(quiet=quiet)
+                if observe is not None:
+                    observe(batch)
 
     def _notify(self, *, quiet: bool = False) -> None:
         event, self._advanced = self._advanced, asyncio.Event()

@@ -218,7 +218,7 @@ class Controllers:
         )
         config = ControllerConfig(controller_id=process.name, term=term)
         commands = FencedCommands(ProcessQueue(world.queue, process), process.leadership)
-        controller = Controller(env, commands, config)
+        controller = Controller(env, commands, config, guard=process.leadership)
         process.controller, process.term = controller, term
         world.controller = controller
         self.first_leader.set()

@@ -21,7 +21,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
-from events.envelope import NewEvent
+from events.envelope import Envelope, NewEvent
 from events.errors import DuplicateEventId, StoreIOError
 
 from . import messages as m
@@ -120,6 +120,17 @@ class LogIndex:
         self.ids[event_id] = (stream, seq)
         if state.beats is not None:
             state.beats.append(Beat(seq, m.recorded_at_of(hdrs), event_id))
+
+    def learn_committed(self, envelope: Envelope) -> None:
+        """An event another writer committed, as a subscriber saw it (in position order)."""
+        state = self.state(envelope.stream)
+        if envelope.position <= state.last_seq:
+            return
+        state.last_seq = envelope.position
+        state.version = envelope.version
+        self.ids[envelope.event_id] = (envelope.stream, envelope.position)
+        if state.beats is not None:
+            state.beats.append(Beat(envelope.position, envelope.recorded_at, envelope.event_id))
 
     def forget(self, beats: Sequence[Beat], stream: str) -> None:
         for beat in beats:

@@ -275,6 +275,15 @@ class JetStreamEventStore:
         last_seq, _ = await self._api.last_sequence()
         return max(last_seq, self._writer.acked_max)
 
+    def observe(self, envelopes: Sequence[Envelope]) -> None:
+        """Bring the index up to date with events another writer committed, as a subscriber
+        of this store saw them. For a standby that follows the log while another controller
+        writes it: when it takes over, its appends find each stream where it is, instead of
+        being refused once per stream the old leader wrote and reading their way there. Only
+        while this store object itself appends nothing (its own appends keep the index)."""
+        for envelope in envelopes:
+            self._index.learn_committed(envelope)
+
     def subscribe(self, from_position: int = 1) -> AsyncGenerator[Envelope, None]:
         return self._followers.envelopes(from_position)
 

@@ -315,3 +315,33 @@ async def test_reads_past_the_end_and_odd_arguments(options: JetStreamOptions) -
         assert await store.read_stream("node/a.b") == []
         assert await store.stream_version("not a stream") == 0
         assert await store.load_snapshot("node/") is None
+
+
+async def test_a_standby_that_observes_the_log_takes_over_without_refusals(
+    options: JetStreamOptions,
+) -> None:
+    """A standby's store learns what the leader writes from its own subscription (`observe`,
+    as actors/controller_process.py feeds it); when it takes over, its first append to each
+    stream the leader wrote goes through without the server refusing it and a read."""
+    make = EventMaker()
+    async with opened(options) as leader, opened(options) as standby:
+        for node in ("a", "b", "c"):
+            await leader.append(f"node/{node}", [make(NodeRegistered(node_id=node))], NO_STREAM)
+            await leader.append(f"heartbeat/{node}", [make(hb(node, 1)), make(hb(node, 2))], 0)
+        head = await leader.head()
+        async with contextlib.aclosing(standby.subscribe_batches(1)) as pages:
+            async for page in pages:
+                standby.observe(page)
+                if page[-1].position >= head:
+                    break
+
+        async def refused(*_: object) -> None:
+            raise AssertionError("the standby had to read its way to a stream's end")
+
+        standby._writer._catch_up = refused  # type: ignore[method-assign]
+        for node in ("a", "b", "c"):
+            await standby.append(f"node/{node}", [make(note(node, 1))], 1)
+            await standby.append(f"heartbeat/{node}", [make(hb(node, 3))], 2)
+        assert await standby.head() == head + 6
+        # The learned heartbeats compact like its own.
+        assert await standby.compact_heartbeats(make.now_ns + 1) == 6

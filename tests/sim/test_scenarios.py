@@ -37,12 +37,10 @@ AVAILABILITY_FLOOR = {"nats-outage": 0.9, "controller-partition": 0.8, "leader-f
 # (HealthPolicy.grace_s) has passed, not within the usual window.
 DETECTED_LATE = {"controller-outage", "controller-partition", "leader-failover"}
 # Scenarios that find a bug in production code not fixed yet: strict, so a fix shows up as a
-# pass that must remove the mark. leader-failover: a leader woken past its lease still answers
-# the heartbeats it queued while frozen with leases of its old term, and an agent that has not
-# yet heard the new term takes them, unfencing an epoch its successor has replaced
-# (one_serving_epoch; the fix, fencing HeartbeatAck by the lease as FencedStore fences appends,
-# is in tests/sim/test_leader_failover.py).
-KNOWN_BUG = {"leader-failover"}
+# pass that must remove the mark. (leader-failover found one: a leader woken past its lease
+# answered the heartbeats it queued while frozen with leases of its old term; the controller
+# now publishes nothing once its lease may have lapsed, actors/fenced_store.py, FencedBus.)
+KNOWN_BUG: set[str] = set()
 
 
 @pytest.mark.parametrize(
