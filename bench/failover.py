@@ -45,8 +45,22 @@ controller, N agents with fake GPUs, real echo workloads. Health settings are th
         0 failed before the first byte, no stream cut), offline verdicts and replicas placed
         again (both 0: nothing moves), and the controller's grace events.
 
+    python bench/failover.py --classes all [--runs 3] [--clients 64] [--class-seconds 20]
+            [--fault-at 3] [--hold 8] [--event-log sqlite|jetstream] [--json]
+        The control plane itself, per failure class (controller-kill, controller-stop,
+        nats-kill, nats-kill-lease; `all`, or a comma-separated list), on a stack in HA shape:
+        3 clustered nats-servers, 2 controllers on one leader lease, 3 agents, cluster `echo`
+        of 3 paced replicas behind the nodes' fences, the gateway, N clients (half streaming).
+        Per class: SIGKILL the leading controller / SIGSTOP it past its lease and SIGCONT it /
+        SIGKILL the nats-server it is connected to / the one leading the lease's stream; then
+        the seconds until a controller leads again and until `cluster scale` is accepted, the
+        requests failed before and after their first byte, and whether the continued old
+        leader wrote anything (strace). The killed process is started again and the stack
+        steady before the next class. Details: bench/_failover_ha.py.
+
 --quick shrinks whichever mode runs, for CI (its figures are marked, not comparable): one run;
-4 agents for --soak too; --seconds 3 --kill-at 1.5 for --clients.
+4 agents for --soak too; --seconds 3 --kill-at 1.5 for --clients; for --classes, the class
+controller-stop alone (unless --classes names others), 7 s of load with the fault at 1.5 s.
 
 Targets printed beside the results: detection <= 3 s; replacement <= detection + 2 s + the
 workload's start time; through a proxy, 0 requests failed before the first byte and no stream
@@ -57,38 +71,49 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import datetime as dt
 import itertools
 import json
-import math
 import os
 import random
-import shlex
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import aiohttp  # noqa: E402
 
+from bench import _failover_ha, _failover_ha_report  # noqa: E402
 from bench._failover_clients import WORDS, read_load, read_traces  # noqa: E402
+from bench._failover_common import (  # noqa: E402
+    CLIENT_TIMEOUT_S,
+    HELPER,
+    PACE,
+    REPLICAS,
+    _free_port,
+    _log_events,
+    _metric_sums,
+    _ok,
+    _pct,
+    _Proxy,
+    _proxy_answers,
+    _scrape,
+    _serving,
+    _sleep_until,
+    _spawn,
+    _start_gateway,
+    _traced_spec,
+)
 from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from events.envelope import Envelope  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
 from tests.integration.stack import (  # noqa: E402
-    STACK_ENV,
     Killed,
     Stack,
     echo_spec,
@@ -98,26 +123,19 @@ from tests.integration.stack import (  # noqa: E402
 
 DETECTION_TARGET_S = 3.0
 DECISION_BUDGET_S = 2.0  # replacement <= detection + this + the workload's start time
-REPLICAS = 3
-QUICK = {"runs": 1, "agents": 4, "seconds": 3.0, "kill_at": 1.5}
+QUICK: dict[str, Any] = {
+    "runs": 1,
+    "agents": 4,
+    "seconds": 3.0,
+    "kill_at": 1.5,
+    "class_seconds": 7.0,
+    "fault_at": 1.5,
+    "hold": 4.0,
+}
 
 
 def _s(ns: int) -> float:
     return ns / 1e9
-
-
-async def _serving(stack: Stack, replicas: int, timeout: float = 60.0) -> dict[str, Any]:
-    async def check() -> dict[str, Any] | None:
-        cluster = await stack.cluster("echo")
-        if cluster["ready"] != replicas:
-            return None
-        running = {(w.replica_id, w.epoch) for w in stack.workloads()}
-        wanted = {
-            (r["replica_id"], r["epoch"]) for r in cluster["replicas"] if r["status"] == "ready"
-        }
-        return cluster if running == wanted else None
-
-    return await stack.wait_until(check, timeout=timeout, why=f"{replicas} echo replicas serving")
 
 
 def _start_times(events: list[Envelope]) -> list[float]:
@@ -353,53 +371,9 @@ def _print_soak(r: dict[str, Any]) -> None:
 # -- client-side failover through a proxy ---------------------------------------------------
 
 PROXIES = ("gateway", "nginx", "vllm-router")
-PACE = ("--ttft-ms", "20", "--tokens-per-s", "200")
-HELPER = ROOT / "bench" / "_failover_clients.py"
 WARMUP_S = 1.0  # the first second of load (connections opening) is left out of "before"
 WINDOW_FALLBACK_S = 10.0  # the failover window when no replacement became ready
-CLIENT_TIMEOUT_S = 10.0
 DEFAULT_PEERS_VENV = Path(tempfile.gettempdir()) / "gpumesh-peers-venv"
-
-
-@dataclass
-class _Proxy:
-    name: str
-    url: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    detail: str
-
-    def stop(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.popen.pid, sig)
-            try:
-                self.popen.wait(5)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _spawn(stack: Stack, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    # Marked like the stack's own processes, so that its teardown would reap a leftover.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", STACK_ENV: stack.marker}
-    with log_path.open("ab") as log:
-        return subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=log_path.parent,
-            start_new_session=True,
-        )
 
 
 def _nginx_binary() -> str | None:
@@ -449,30 +423,6 @@ def _available(args: argparse.Namespace) -> dict[str, tuple[str | None, str]]:
     return out
 
 
-def _traced_spec(trace_dir: Path) -> dict[str, Any]:
-    """echo_spec(3) run through the traced wrapper of the same echo workload (see
-    bench/_failover_clients.py): each answer names its replica, each request is traced."""
-    argv = [sys.executable, str(HELPER), "workload", "--port", "{port}", "--model", "{model}"]
-    argv += [*PACE, "--trace-dir", str(trace_dir)]
-    return {**echo_spec(REPLICAS), "command": shlex.join(argv)}
-
-
-def _start_gateway(stack: Stack, workdir: Path, binary: str) -> _Proxy:
-    port = _free_port()
-    log = workdir / "gateway.log"
-    argv = [
-        binary, "-m", "gpumesh", "gateway",
-        "--nats", stack.url,
-        "--listen", f"127.0.0.1:{port}",
-        "--data-dir", str(stack.root),
-        "--gateway-id", "gw-bench",
-        "--log-format", "json",
-        "--no-access-log",
-    ]  # fmt: skip
-    popen = _spawn(stack, argv, log)
-    return _Proxy("gateway", f"http://127.0.0.1:{port}", popen, log, "defaults, direct transport")
-
-
 NGINX_CONF = """\
 worker_processes 1;
 daemon off;
@@ -518,71 +468,6 @@ def _start_vllm_router(stack: Stack, workdir: Path, binary: str, addresses: list
     return _Proxy("vllm-router", f"http://127.0.0.1:{port}", popen, log, detail)
 
 
-async def _proxy_answers(proxy: _Proxy, timeout: float = 60.0) -> None:
-    """Until a chat completion through the proxy answers 200, several times in a row."""
-    body = {"model": "echo", "messages": [{"role": "user", "content": "ready"}]}
-    deadline = time.monotonic() + timeout
-    in_a_row = 0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        while in_a_row < 6:
-            if proxy.popen.poll() is not None:
-                tail = Stack.log_tail(proxy.log_path)
-                raise RuntimeError(f"{proxy.name} exited {proxy.popen.returncode}: {tail}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{proxy.name} did not answer within {timeout:g} s")
-            try:
-                async with session.post(f"{proxy.url}/v1/chat/completions", json=body) as resp:
-                    await resp.read()
-                    in_a_row = in_a_row + 1 if resp.status == 200 else 0
-            except (aiohttp.ClientError, TimeoutError):
-                in_a_row = 0
-            await asyncio.sleep(0.05 if in_a_row else 0.2)
-
-
-async def _scrape(url: str) -> str:
-    try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
-            session.get(f"{url}/metrics") as resp,
-        ):
-            return await resp.text()
-    except (aiohttp.ClientError, TimeoutError):
-        return ""
-
-
-def _metric_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """`name{labels} value` lines summed per name and `reason` label."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in names:
-            if line.startswith((name + "{", name + " ")):
-                labels, _, value = line.rpartition(" ")
-                reason = labels.partition('reason="')[2].partition('"')[0]
-                key = f"{name}:{reason}" if reason else name
-                with contextlib.suppress(ValueError):
-                    out[key] = out.get(key, 0.0) + float(value)
-    return out
-
-
-def _log_events(path: Path, event: str) -> list[dict[str, Any]]:
-    """JSON log lines of one event, each with `at_ns` from its ISO timestamp."""
-    found = []
-    with contextlib.suppress(OSError):
-        for line in path.read_text(errors="replace").splitlines():
-            if f'"{event}"' not in line:
-                continue
-            with contextlib.suppress(ValueError):
-                entry = json.loads(line)
-                stamp = dt.datetime.fromisoformat(entry["timestamp"].replace("Z", "+00:00"))
-                entry["at_ns"] = int(stamp.timestamp() * 1e9)
-                found.append(entry)
-    return found
-
-
-async def _sleep_until(wall_ns: int) -> None:
-    await asyncio.sleep(max(0.0, (wall_ns - time.time_ns()) / 1e9))
-
-
 def _cpu_sample(proxy_pid: int) -> tuple[float, float, float]:
     """(monotonic s, the machine's busy CPU s, the proxy's CPU s over its process tree)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -620,17 +505,6 @@ def _cpu_used(
         "proxy_cores": round(proxy / elapsed, 2),
         "proxy_us_per_request": round(proxy / max(requests, 1) * 1e6, 1),
     }
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
-def _ok(r: dict[str, Any]) -> bool:
-    return r["status"] == 200 and r["done"] and not r["error_event"]
 
 
 def _window(records: list[dict[str, Any]], start_ns: int, end_ns: int) -> dict[str, Any]:
@@ -1160,6 +1034,37 @@ def _us(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f} µs"
 
 
+def _ha_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`--classes`: exit 1 when a target is missed (not with --quick: its figures are not
+    comparable, it checks that the code runs)."""
+    named = [c.strip() for c in args.classes.split(",") if c.strip()]
+    classes = list(_failover_ha.CLASSES) if named == ["all"] else named
+    if args.quick and named == ["all"]:
+        classes = ["controller-stop"]
+    unknown = sorted(set(classes) - set(_failover_ha.CLASSES))
+    if unknown or not classes:
+        parser.error(f"--classes: unknown {', '.join(unknown) or '(none)'}")
+    if not 0 < args.fault_at < args.class_seconds:
+        parser.error("--fault-at must fall inside --class-seconds")
+    settings = _failover_ha.Settings(
+        classes=classes,
+        runs=args.runs or 3,
+        clients=args.clients or 64,
+        class_seconds=args.class_seconds,
+        fault_at=args.fault_at,
+        hold=args.hold,
+        json=args.json,
+        keep=args.keep,
+        controller_log=args.event_log or _failover_ha.controller_log_option(),
+    )
+    result = mark(args, asyncio.run(_failover_ha.ha_failover(settings)))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _failover_ha_report.print_table(result)
+    return 0 if args.quick or _failover_ha_report.met(result) else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -1200,11 +1105,44 @@ def main() -> int:
         action="store_true",
         help=f"pip install vllm-router into --peers-venv (default {DEFAULT_PEERS_VENV})",
     )
-    add_quick(parser, "--runs 1, --agents 4 in every mode, --seconds 3 --kill-at 1.5")
+    ha_mode = parser.add_argument_group("the control plane's failover, per failure class")
+    ha_mode.add_argument(
+        "--classes",
+        default="",
+        help=f"`all` or a comma-separated list of {', '.join(_failover_ha.CLASSES)} (turns it "
+        "on; --clients defaults to 64, --runs to 3)",
+    )
+    ha_mode.add_argument(
+        "--class-seconds", type=float, default=20.0, help="load per class (default 20)"
+    )
+    ha_mode.add_argument(
+        "--fault-at", type=float, default=3.0, help="s into a class's load (default 3)"
+    )
+    ha_mode.add_argument(
+        "--hold",
+        type=float,
+        default=8.0,
+        help="the killed process is started again (the stopped one continued) this long after "
+        "the fault, or 1 s after a controller accepted `cluster scale` if later (default 8)",
+    )
+    ha_mode.add_argument(
+        "--event-log",
+        choices=("sqlite", "jetstream"),
+        default=None,
+        help="the controllers' log: jetstream (each its own data directory) where `gpumesh "
+        "controller` has --event-log, else sqlite (one file in a data directory they share)",
+    )
+    add_quick(
+        parser,
+        "--runs 1, --agents 4 in every mode, --seconds 3 --kill-at 1.5; with --classes: "
+        "controller-stop only, --class-seconds 7 --fault-at 1.5 --hold 4",
+    )
     args = parser.parse_args()
     apply_quick(parser, args, **QUICK)
     configure_logging(level="warning", json=False, stream=sys.stderr)
     announce(args, json_output=args.json)
+    if args.classes:
+        return _ha_main(parser, args)
     if args.clients > 0 and args.controller_down > 0:
         args.agents = args.agents or 3
         args.runs = args.runs or 1

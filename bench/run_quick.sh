@@ -28,6 +28,7 @@ QUICK=(
     "failover.py"
     "failover.py --clients 4"
     "failover.py --clients 4 --controller-down 2 --seconds 6"
+    "failover.py --classes controller-stop --clients 4"
     "gateway.py"
     "crashloop.py"
     "crashloop.py --ha"
