@@ -302,3 +302,113 @@ async def test_a_crashed_fault_fails_the_run_with_its_cause(
     assert not result.ok
     assert result.crashed == [{"task": task, "error": error}]
     assert result.violations == []  # the run failed; the stack broke no invariant
+
+
+# -- gpumesh up --ha ------------------------------------------------------------------------------
+
+HA_FAULTS = [
+    {"at_s": 1, "kind": "leader_crash"},
+    {"at_s": 2, "kind": "leader_pause", "duration_s": 5},
+    {"at_s": 3, "kind": "nats_server_loss"},
+    {"at_s": 4, "kind": "controller_partition", "duration_s": 5},
+]
+
+
+def _up_ha_json(data_dir: Path, nats: str) -> None:
+    rows = [
+        {"role": "nats-server", "name": f"nats-{i}", "pid": 100 + i, "port": 4222 + i}
+        for i in range(3)
+    ] + [
+        {"role": "controller", "name": "ctl-0", "pid": 200, "port": None},
+        {"role": "controller", "name": "ctl-1", "pid": 201, "port": None},
+        {"role": "gateway", "name": "gw-0", "pid": 300, "port": 8099},
+    ]
+    text = {"nats": nats, "gateway": "http://127.0.0.1:8099", "processes": rows}
+    (data_dir / "up-ha.json").write_text(json.dumps(text))
+
+
+def test_up_ha_is_found_from_its_processes_file(tmp_path: Path) -> None:
+    from gpumesh.chaos.ha import read_layout
+
+    urls = "tls://127.0.0.1:4222,tls://127.0.0.1:4223,tls://127.0.0.1:4224"
+    assert read_layout(tmp_path) is None
+    _up_ha_json(tmp_path, urls)
+    layout = read_layout(tmp_path, ",".join(reversed(urls.split(","))))  # any order
+    assert layout is not None and layout.gateway == "http://127.0.0.1:8099"
+    assert [p.name for p in layout.named("controller")] == ["ctl-0", "ctl-1"]
+    assert [p.port for p in layout.named("nats-server")] == [4222, 4223, 4224]
+    assert read_layout(tmp_path, "nats://127.0.0.1:4222") is None  # another stack's NATS
+
+    scenario = from_mapping({"name": "ha", "duration_s": 60, "faults": HA_FAULTS})
+    steps = plan(scenario, 1, Found(), ha=layout)
+    assert "ctl-0 pid 200, ctl-1 pid 201" in steps[0]["action"]
+    assert steps[1]["action"].startswith("gpumesh up --ha only: SIGSTOP")
+    assert "nats-0 pid 100" in steps[2]["action"]
+    assert steps[3]["action"] == kinds.CANNOT_PARTITION
+    assert [s["action"] for s in plan(scenario, 1, Found())][:3] == [kinds.NEEDS_HA] * 3
+
+
+def test_a_failover_is_over_at_the_leases_next_term_or_renewal() -> None:
+    from gpumesh.chaos.ha import Failover, Lease
+
+    before = Lease("ctl-0", term=5, revision=40)
+    crash = Failover("leader_crash", 10.0, "controller ctl-0 (pid 1)", before, False)
+    assert not crash.seen(None, 11.0)  # nobody leads: the key expired
+    assert not crash.seen(Lease("ctl-0", 5, 41), 11.5)  # a renewal that raced the kill
+    assert crash.seen(Lease("ctl-1", 42, 42), 12.5)
+    data = crash.to_json()
+    assert data["leads_again_s"] == 2.5 and data["new_leader"] and data["term_after"] == 42
+
+    pause = Failover("leader_pause", 10.0, "controller ctl-0 (pid 1)", before, False)
+    assert not pause.seen(Lease("ctl-0", 5, 41), 11.0)
+    pause.thawed = True  # continued within the lease: it renews, and keeps leading
+    assert pause.seen(Lease("ctl-0", 5, 42), 12.0) and "kept its lease" in pause.outcome
+    assert not pause.to_json()["new_leader"]
+
+    loss = Failover("nats_server_loss", 10.0, "nats-server nats-1 (pid 2)", before, True)
+    assert not loss.seen(Lease("ctl-0", 5, 40), 10.5)
+    assert loss.seen(Lease("ctl-0", 5, 41), 11.0) and "renewed" in loss.outcome
+
+
+async def test_the_ha_faults_are_skipped_on_a_stack_without_up_ha(tmp_path: Path) -> None:
+    scenario = from_mapping({"name": "ha", "duration_s": 6, "settle_s": 0, "faults": HA_FAULTS})
+    run = chaos_run.ChaosRun(
+        scenario, 1, bus=QuietStack(), nats_url="nats://127.0.0.1:1", data_dir=tmp_path,
+        gateway="http://gateway.invalid", client=BrokenGateway(), speed=3.0,
+    )  # fmt: skip
+    await run.prepare()
+    await asyncio.wait_for(run.run(), timeout=30)
+    result = run.result()
+    assert result.ok, result.crashed
+    skipped = [line.split("skip   ", 1)[1] for line in result.timeline if "skip   " in line]
+    assert skipped == [
+        f"leader_crash: {kinds.NEEDS_HA}",
+        f"leader_pause: {kinds.NEEDS_HA}",
+        f"nats_server_loss: {kinds.NEEDS_HA}",
+        f"controller_partition: {kinds.CANNOT_PARTITION}",
+    ]
+    assert result.failovers == []
+    assert "invariants checked: contiguous_versions, spread, placement_fits, liveness" in (
+        render_real(result)
+    )
+
+
+def test_the_report_says_each_failover() -> None:
+    from gpumesh.chaos.cli import render_failovers
+
+    text = render_failovers(
+        [
+            {
+                "at_s": 3.0, "kind": "leader_crash", "target": "controller ctl-0 (pid 9)",
+                "leads_again_s": 2.5, "outcome": "ctl-1 leads (term 12)",
+                "requests": {"sent": 40, "failed": 2, "failed_before_first_byte": 2,
+                             "failed_by_kind": {"AttemptsExhausted": 2},
+                             "failed_sent_s": [2.1, 2.4]},
+            }
+        ]
+    )  # fmt: skip
+    assert (
+        "t=3.000 leader_crash     controller ctl-0 (pid 9): leads again after 2.500 s: ctl-1 "
+        "leads (term 12); requests 40 sent, 2 failed (2 before the first byte): "
+        "AttemptsExhausted 2; sent 2.1-2.4 s after the fault"
+    ) in text

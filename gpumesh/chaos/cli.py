@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from .kinds import KIND_ACTIONS
 
+DEFAULT_GATEWAY = "http://127.0.0.1:8080"  # where `gpumesh up` serves
+
 if TYPE_CHECKING:
     from sim.run import RunResult
     from sim.scenario import Scenario
@@ -49,9 +51,9 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     add_creds_argument(chaos, "admin")
     chaos.add_argument(
         "--gateway",
-        default="http://127.0.0.1:8080",
         metavar="URL",
-        help="the gateway the client traffic goes through (default http://127.0.0.1:8080)",
+        help="the gateway the client traffic goes through (default: the one `gpumesh up --ha` "
+        f"wrote in the data directory, else {DEFAULT_GATEWAY})",
     )
     chaos.add_argument("--api-key", metavar="KEY", help="the gateway's API key, if it needs one")
     chaos.add_argument(
@@ -128,6 +130,8 @@ async def run_chaos(args: argparse.Namespace) -> int:
     from wire.nats_bus import NatsBus
     from wire.stack import find_nats_url
 
+    from .ha import read_layout
+
     if args.speed <= 0:
         raise CommandFailed("--speed must be > 0")
     if args.duration is not None and args.duration <= 0:
@@ -135,13 +139,18 @@ async def run_chaos(args: argparse.Namespace) -> int:
     path = find_scenario(args.scenario)
     scenario = load(path)
     url = find_nats_url(args.data_dir, args.nats)
-    gateway = _gateway_url(args.gateway)
+    ha = read_layout(args.data_dir, url)  # a stack of `gpumesh up --ha`, else None
+    gateway = _gateway_url(args.gateway or (ha.gateway if ha and ha.gateway else DEFAULT_GATEWAY))
     if args.dry_run:
         from .plan import dry_run
 
         return dry_run(args, scenario, path, url, gateway)
     bus = await NatsBus.connect(
-        url, name="gpumesh-chaos", credentials=credentials(args, url, "admin")
+        url,
+        name="gpumesh-chaos",
+        credentials=credentials(args, url, "admin"),
+        # On `up --ha` a nats-server may die under chaos's own connection: move at once.
+        **({"reconnect_wait": 0.1} if ha is not None else {}),
     )
     run: ChaosRun | None = None
     try:
@@ -189,6 +198,11 @@ async def _play(run: ChaosRun, path: Path, gateway: str) -> None:
         f"scenario {path}, seed {run.seed}; NATS {run.nats_url}; gateway {gateway}; "
         f"{len(nodes)} agents found ({', '.join(nodes) or 'none'})"
     )
+    if run.stack.ha is not None:
+        _progress("a stack of `gpumesh up --ha`: " + ", ".join(
+            f"{p.role} {p.name} (pid {p.pid})"
+            for p in run.stack.ha.processes if p.role in ("controller", "nats-server")
+        ))  # fmt: skip
     if len(nodes) != scenario.fleet.nodes:
         _progress(
             f"the scenario's fleet has {scenario.fleet.nodes} nodes, the stack "
@@ -232,10 +246,41 @@ def render_real(result: RunResult, *, commit: str = "") -> str:
     text = render(result, commit=commit)
     text = text.replace("timeline (virtual seconds)", "timeline (wall seconds since the start)", 1)
     text = text.replace(" s simulated, ", " s on the real stack, ", 1)
+    if isinstance(result, ChaosResult):
+        text += render_failovers(result.failovers)
+        text += "\n  invariants checked: " + ", ".join(result.invariants_checked)
     if isinstance(result, ChaosResult) and result.crashed:
         text += f"\n  run FAILED: {len(result.crashed)} of its tasks raised"
         text += "".join(f"\n    {c['task']}: {c['error']}" for c in result.crashed)
     return text
+
+
+def render_failovers(failovers: Sequence[dict[str, Any]]) -> str:
+    """One line per failover: who led, what was done, who leads after how long, and the
+    requests of its window that failed."""
+    if not failovers:
+        return ""
+    lines = [
+        "",
+        "  failovers (until a controller leads again; requests from the fault to the next)",
+    ]
+    for f in failovers:
+        after = f"{f['leads_again_s']:.3f} s" if f["leads_again_s"] is not None else "-"
+        requests = f["requests"]
+        kinds = ", ".join(f"{k} {n}" for k, n in requests.get("failed_by_kind", {}).items())
+        lines.append(
+            f"    t={f['at_s']:.3f} {f['kind']:<16} {f['target']}: leads again after {after}: "
+            f"{f['outcome']}; requests {requests.get('sent', 0)} sent, "
+            f"{requests.get('failed', 0)} failed ({requests.get('failed_before_first_byte', 0)} "
+            f"before the first byte)"
+            + (f": {kinds}" if kinds else "")
+            + (
+                "; sent {:g}-{:g} s after the fault".format(*requests["failed_sent_s"])
+                if requests.get("failed_sent_s")
+                else ""
+            )
+        )
+    return "\n".join(lines)
 
 
 async def _interruptible(run: ChaosRun) -> None:

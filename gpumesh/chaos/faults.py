@@ -12,6 +12,7 @@ TaskGroup: one that fails fails the run, with its error.
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -19,8 +20,23 @@ from events.contract.messages import Fault
 from sim.scenario import FaultPlan
 from sim.timeline import End, FaultTimeline
 
-from .kinds import CRASH_LOOP_EVERY_S, HA_KINDS, NETWORK_ONLY, NOT_YET
-from .procfs import Proc, kill_workload, workloads_of
+from .ha import (
+    LEADS_AGAIN_WITHIN_S,
+    LEASE_POLL_S,
+    Failover,
+    LeaseReader,
+    describe_lease,
+    peer_ports,
+)
+from .kinds import (
+    CANNOT_PARTITION,
+    CRASH_LOOP_EVERY_S,
+    HA_KINDS,
+    NEEDS_HA,
+    NETWORK_ONLY,
+    RESTARTS,
+)
+from .procfs import Proc, kill_workload, send_signal, workloads_of
 from .stack import SPAWN_ERRORS, NodeState, draw
 
 if TYPE_CHECKING:
@@ -36,6 +52,12 @@ class RealFaults:
         self.rng = run.derive("faults")
         self.timeline: FaultTimeline[Undo] = FaultTimeline()
         self._background: list[asyncio.Task[None]] = []
+        # gpumesh up --ha: the lease, the failovers watched, which NATS server dies (the
+        # simulator draws it from a stream of its own, sim/faults.py)
+        self.lease = LeaseReader(run.bus)
+        self.failovers: list[Failover] = []
+        self._watches: list[asyncio.Task[None]] = []
+        self._nats_rng = run.derive("nats-servers")
 
     async def play(self, faults: Sequence[FaultPlan], *, until: float) -> None:
         """Apply `faults` and end their effects on schedule, up to `until` (the scenario's
@@ -100,10 +122,16 @@ class RealFaults:
             self._controller_crash(fault)
         elif kind == "nats_outage":
             self._nats_outage(fault)
-        elif kind in ("gateway_partition", "controller_partition"):
+        elif kind == "gateway_partition":
             run.note(f"skip   {kind}: {NETWORK_ONLY}")
-        elif kind in HA_KINDS:
-            run.note(f"skip   {kind}: {NOT_YET}")
+        elif kind == "controller_partition":
+            run.note(f"skip   {kind}: {CANNOT_PARTITION}")
+        elif kind in HA_KINDS and self.stack.ha is None:
+            run.note(f"skip   {kind}: {NEEDS_HA}")
+        elif kind in ("leader_crash", "leader_pause"):
+            await self._leader_fault(fault)
+        elif kind == "nats_server_loss":
+            await self._nats_server_loss()
         elif kind == "churn":
             self._keep_going(self._churn(fault), "chaos:churn")
             run.note(f"fault  churn ({fault.count} nodes every {fault.period_s:g} s)")
@@ -167,7 +195,8 @@ class RealFaults:
 
     def _power_loss(self, fault: FaultPlan, node: NodeState, agent: Proc, what: str) -> None:
         killed = self.stack.power_off(node, agent)
-        self.run.note(f"fault  {what}: SIGKILL agent {agent.pid} and {killed} workload(s)")
+        back = f" ({RESTARTS})" if self.stack.ha is not None else ""
+        self.run.note(f"fault  {what}: SIGKILL agent {agent.pid} and {killed} workload(s){back}")
 
         async def power_on() -> None:
             await self.stack.power_on(node)
@@ -247,14 +276,106 @@ class RealFaults:
         self._later(fault, "controller_crash (restarted)", restart)
 
     def _nats_outage(self, fault: FaultPlan) -> None:
-        server = self.stack.nats_server()
-        if server is None:
+        servers = self.stack.nats_pids()
+        if not servers:
             self.run.note("skip   nats_outage: no nats-server of this stack on this machine")
             return
-        self.stack.stop([server.pid])
-        self.run.note(f"fault  nats_outage: SIGSTOP nats-server {server.pid}")
+        self.stack.stop(servers)
+        self.run.note(f"fault  nats_outage: SIGSTOP nats-server {', '.join(map(str, servers))}")
 
         async def back() -> None:
-            self.stack.cont([server.pid])
+            self.stack.cont(servers)
 
         self._later(fault, "nats_outage", back)
+
+    # -- gpumesh up --ha -----------------------------------------------------------------------
+
+    async def _leader_fault(self, fault: FaultPlan) -> None:
+        """leader_crash: SIGKILL the controller that leads (up --ha starts it again);
+        leader_pause: SIGSTOP it, SIGCONT after duration_s."""
+        run, kind = self.run, fault.kind
+        lease = await self.lease.read()
+        if lease is None:
+            run.note(f"skip   {kind}: no controller leads now (the lease is not held)")
+            return
+        ctl = self.stack.ha_process("controller", lease.leader)
+        if ctl is None:
+            run.note(f"skip   {kind}: no process of controller {lease.leader} runs now")
+            return
+        what = f"{kind} {describe_lease(lease)}"
+        failover = Failover(
+            kind, run.now(), f"controller {ctl.name} (pid {ctl.pid})", lease, renewal_counts=False
+        )
+        if kind == "leader_crash":
+            send_signal(ctl.pid, signal.SIGKILL)
+            run.note(f"fault  {what}: SIGKILL controller {ctl.pid} ({RESTARTS})")
+        else:
+            self.stack.stop([ctl.pid])
+            run.note(f"fault  {what}: SIGSTOP controller {ctl.pid}")
+
+            async def thaw() -> None:
+                self.stack.cont([ctl.pid])
+                failover.thawed = True
+
+            self._later(fault, f"{what}: SIGCONT {ctl.pid}", thaw)
+        self._watch(failover)
+
+    async def _nats_server_loss(self) -> None:
+        """SIGKILL one of the three nats-servers, drawn as the simulator draws it."""
+        run = self.run
+        servers = self.stack.ha_processes("nats-server")
+        if len(servers) < 3:
+            # As in the simulator: two of three down is a lost quorum, not this fault.
+            run.note("skip   nats_server_loss: a server is down already")
+            return
+        dead = servers[self._nats_rng.randint(0, len(servers) - 1)]
+        lease = await self.lease.read()
+        leader = self.stack.ha_process("controller", lease.leader) if lease else None
+        on_it = ""
+        if leader is not None and dead.port is not None:
+            on = dead.port in peer_ports(leader.pid)
+            on_it = f", {'connected' if on else 'not connected'} to it"
+        failover = Failover(
+            "nats_server_loss",
+            run.now(),
+            f"nats-server {dead.name} (pid {dead.pid})",
+            lease,
+            renewal_counts=True,
+        )
+        send_signal(dead.pid, signal.SIGKILL)
+        run.note(
+            f"fault  nats_server_loss {dead.name}: SIGKILL nats-server {dead.pid} ({RESTARTS}); "
+            f"{describe_lease(lease)} leads{on_it}"
+        )
+        self._watch(failover)
+
+    def _watch(self, failover: Failover) -> None:
+        self.failovers.append(failover)
+        task = self.run.spawn(self._leads_again(failover), f"chaos:{failover.kind}:lease")
+        self._watches.append(task)
+
+    async def _leads_again(self, failover: Failover) -> None:
+        """Read the lease every LEASE_POLL_S until a controller leads again (Failover.seen)."""
+        run = self.run
+        try:
+            while run.now() - failover.at < LEADS_AGAIN_WITHIN_S:
+                if failover.seen(await self.lease.read(), run.now()):
+                    run.note(
+                        f"lease  {failover.kind}: {failover.outcome}, "
+                        f"{failover.leads_again_s:.3f} s after the fault"
+                    )
+                    return
+                await asyncio.sleep(LEASE_POLL_S)
+            failover.outcome = f"no controller led again within {LEADS_AGAIN_WITHIN_S:g} s"
+            run.note(f"lease  {failover.kind}: {failover.outcome}")
+        except asyncio.CancelledError:
+            failover.outcome = "the run ended before a controller led again"
+            raise
+
+    async def stop_watches(self) -> None:
+        """The run is over: stop watching the lease (an unfinished failover says so)."""
+        for task in self._watches:
+            task.cancel()
+        if self._watches:
+            await asyncio.wait(self._watches)
+        self._watches.clear()

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     import aiohttp
 
 REQUEST_TIMEOUT_S = 30.0  # the gateway gives up after its own deadline first
+# The suffix of a failure once the answer's status line had come (its first byte): the body
+# broke off, or did not come in time. Every other failure is one before the first byte.
+AFTER_FIRST_BYTE = "AfterFirstByte"
 
 
 class Client(Protocol):
@@ -69,8 +72,13 @@ class GatewayClient:
             async with self._open().post(
                 f"{self.gateway}/v1/chat/completions", json=body, headers=headers
             ) as response:
-                data = await response.read()
                 status = response.status
+                try:
+                    data = await response.read()
+                except TimeoutError:
+                    return f"ClientTimeout{AFTER_FIRST_BYTE}"
+                except (aiohttp.ClientError, OSError, ValueError) as exc:
+                    return f"{type(exc).__name__}{AFTER_FIRST_BYTE}"
         except TimeoutError:
             return "ClientTimeout"
         except aiohttp.ClientConnectorError:

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 NETWORK_ONLY = "skipped: needs network control (simulator only)"
 IN_UP = "skipped: controller runs inside gpumesh up"
-NOT_YET = "skipped: not yet played against a real stack (simulator only; gpumesh up --ha)"
-HA_KINDS = ("leader_crash", "leader_pause", "nats_server_loss")  # NOT_YET here
+IN_UP_HA = (
+    "skipped: gpumesh up --ha runs two controllers and starts a killed one again itself: "
+    "leader_crash is this fault there"
+)
+NEEDS_HA = "skipped: needs a stack of `gpumesh up --ha` (two controllers, three nats-servers)"
+CANNOT_PARTITION = (
+    "skipped: cutting one process off from NATS needs network control (root: iptables or a "
+    "network namespace); SIGSTOP would be leader_pause, not a partition (simulator only)"
+)
+RESTARTS = "gpumesh up --ha starts it again after 1 s"
+HA_KINDS = ("leader_crash", "leader_pause", "nats_server_loss")  # against `gpumesh up --ha`
 CRASH_LOOP_EVERY_S = 0.5
 
 KIND_ACTIONS: dict[str, str] = {
@@ -34,8 +43,16 @@ KIND_ACTIONS: dict[str, str] = {
     "nats_outage": "approximation: SIGSTOP the stack's nats-server (every client's connection "
     "goes silent); SIGCONT after duration_s",
     "gateway_partition": NETWORK_ONLY,
-    "controller_partition": NETWORK_ONLY,
-    **dict.fromkeys(HA_KINDS, NOT_YET),
+    "controller_partition": CANNOT_PARTITION,
+    "leader_crash": "gpumesh up --ha only: SIGKILL the controller that holds the leader lease "
+    "when the fault fires (gpumesh up --ha starts it again after 1 s, whatever duration_s); "
+    "measured: the time until a controller leads in a new term",
+    "leader_pause": "gpumesh up --ha only: SIGSTOP the controller that holds the leader lease, "
+    "SIGCONT after duration_s (past the lease's 3 s: a standby takes over); measured: the time "
+    "until a controller leads in a new term",
+    "nats_server_loss": "gpumesh up --ha only: SIGKILL one of the three nats-servers, drawn "
+    "from the seed (gpumesh up --ha starts it again after 1 s, whatever duration_s); measured: "
+    "the time until the lease is written again (renewed, or a new term)",
     "churn": "every period_s for duration_s (default 60 s): power_loss of `count` nodes (started "
     "again when the run ends) and `count` new agents node-N with an existing agent's command line",
 }

@@ -13,7 +13,8 @@ from sim.env import SeededStreams
 from sim.scenario import NODE_FAULTS, Scenario
 from sim.timeline import End, FaultTimeline
 
-from .kinds import IN_UP, KIND_ACTIONS
+from .ha import HaLayout, read_layout
+from .kinds import HA_KINDS, IN_UP, IN_UP_HA, KIND_ACTIONS, NEEDS_HA, RESTARTS
 from .procfs import Found, flag, scan
 from .stack import NodeState, draw
 
@@ -22,7 +23,12 @@ _MARKS = {"power_loss": ("powered", False), "hang": ("hung", True)}
 
 
 def plan(
-    scenario: Scenario, seed: int, found: Found, *, speed: float = 1.0
+    scenario: Scenario,
+    seed: int,
+    found: Found,
+    *,
+    speed: float = 1.0,
+    ha: HaLayout | None = None,
 ) -> list[dict[str, Any]]:
     """What each fault would do to whom, victims drawn as a run draws them at those times if
     every fault does what it says (a real run draws among the nodes up when it fires), on the
@@ -36,7 +42,7 @@ def plan(
             step.undo()
             continue
         fault = step.fault
-        out.append(_step(fault.kind, fault.at_s, fault.duration_s, speed, found))
+        out.append(_step(fault.kind, fault.at_s, fault.duration_s, speed, found, ha))
         if fault.kind not in NODE_FAULTS:
             continue
         picked = draw(nodes, fault.nodes, rng)
@@ -57,13 +63,36 @@ def _setter(node: NodeState, attr: str, value: bool) -> Callable[[], None]:
 
 
 def _step(
-    kind: str, at_s: float, duration_s: float | None, speed: float, found: Found
+    kind: str,
+    at_s: float,
+    duration_s: float | None,
+    speed: float,
+    found: Found,
+    ha: HaLayout | None = None,
 ) -> dict[str, Any]:
     step: dict[str, Any] = {"at_s": round(at_s / speed, 3), "kind": kind}
     if kind in NODE_FAULTS:
         step["victims"] = []
     action = KIND_ACTIONS[kind]
-    if kind == "controller_crash":
+    if kind in HA_KINDS and ha is None:
+        action = NEEDS_HA
+    elif kind in ("leader_crash", "leader_pause") and ha is not None:
+        pids = ", ".join(f"{p.name} pid {p.pid}" for p in ha.named("controller"))
+        action += f" (the controllers now: {pids}; the lease says who leads when it fires)"
+    elif kind == "nats_server_loss" and ha is not None:
+        pids = ", ".join(f"{p.name} pid {p.pid}" for p in ha.named("nats-server"))
+        action += f" (the servers now: {pids})"
+    elif kind == "power_loss" and ha is not None:
+        action = (
+            "SIGKILL the agent's process group and every workload's (a machine losing power); "
+            f"{RESTARTS}, whatever duration_s"
+        )
+    elif kind == "controller_crash" and ha is not None:
+        action = IN_UP_HA
+    elif kind == "nats_outage" and ha is not None:
+        pids = ", ".join(str(p.pid) for p in ha.named("nats-server"))
+        action = f"SIGSTOP the three nats-servers ({pids}); SIGCONT after duration_s"
+    elif kind == "controller_crash":
         if found.controller is None:
             action = IN_UP if found.up is not None else "skipped: no controller process found"
         elif flag(found.controller.args, "--nats") is None:
@@ -82,13 +111,15 @@ def dry_run(
     args: argparse.Namespace, scenario: Scenario, path: Path, url: str, gateway: str
 ) -> int:
     found = scan(args.data_dir, url)
-    steps = plan(scenario, args.seed, found, speed=args.speed)
+    ha = read_layout(args.data_dir, url)
+    steps = plan(scenario, args.seed, found, speed=args.speed, ha=ha)
     if args.json:
         processes = {
             "agents": {n: p.pid for n, p in sorted(found.agents.items())},
             "controller": found.controller.pid if found.controller else None,
             "up": found.up.pid if found.up else None,
             "nats_server": found.nats.pid if found.nats else None,
+            "up_ha": {p.name: p.pid for p in ha.processes} if ha else None,
         }
         data = {
             "scenario": scenario.name,
@@ -103,7 +134,7 @@ def dry_run(
         }
         print(json.dumps(data, indent=2, sort_keys=True))
     else:
-        print(render_plan(args, scenario, path, url, gateway, found, steps))
+        print(render_plan(args, scenario, path, url, gateway, found, steps, ha=ha))
     return 0
 
 
@@ -115,9 +146,13 @@ def render_plan(
     gateway: str,
     found: Found,
     steps: list[dict[str, Any]],
+    *,
+    ha: HaLayout | None = None,
 ) -> str:
     where = (
-        f"inside gpumesh up (pid {found.up.pid})"
+        "gpumesh up --ha: " + ", ".join(f"{p.name} (pid {p.pid})" for p in ha.named("controller"))
+        if ha is not None
+        else f"inside gpumesh up (pid {found.up.pid})"
         if found.controller is None and found.up is not None
         else f"pid {found.controller.pid}"
         if found.controller is not None
@@ -126,7 +161,16 @@ def render_plan(
     agents = ", ".join(f"{n} (pid {p.pid})" for n, p in sorted(found.agents.items())) or "none"
     lines = [
         f"scenario {scenario.name} ({path})  seed {args.seed}  speed {args.speed:g}  dry run",
-        f"  NATS:        {url}" + (f" (nats-server pid {found.nats.pid})" if found.nats else ""),
+        f"  NATS:        {url}"
+        + (
+            " (nats-servers "
+            + ", ".join(f"{p.name} pid {p.pid}" for p in ha.named("nats-server"))
+            + ")"
+            if ha is not None
+            else f" (nats-server pid {found.nats.pid})"
+            if found.nats
+            else ""
+        ),
         f"  gateway:     {gateway}",
         f"  controller:  {where}",
         f"  agents:      {agents}",

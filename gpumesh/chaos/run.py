@@ -14,9 +14,11 @@ import asyncio
 import contextlib
 import hashlib
 import itertools
+import math
 import shlex
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +39,7 @@ from sim.world import RequestLog
 
 from .errors import ChaosError
 from .faults import RealFaults
-from .gateway import Client, GatewayClient
+from .gateway import AFTER_FIRST_BYTE, Client, GatewayClient
 from .stack import NodeState, Stack
 
 if TYPE_CHECKING:
@@ -45,6 +47,8 @@ if TYPE_CHECKING:
 
 EVENTS_POLL_S = 0.25
 NOT_REACHED = "the run did not reach the end of the settle"
+# What a real run checks (docs/chaos.md): at each event of the log, and after the settle.
+INVARIANTS_CHECKED = ("contiguous_versions", "spread", "placement_fits", "liveness")
 
 
 @dataclass
@@ -53,6 +57,9 @@ class ChaosResult(RunResult):
 
     interrupted: bool = False
     crashed: list[dict[str, str]] = field(default_factory=list)  # {"task", "error"}
+    # gpumesh up --ha: one per leader_crash, leader_pause, nats_server_loss (ha.Failover)
+    failovers: list[dict[str, Any]] = field(default_factory=list)
+    invariants_checked: list[str] = field(default_factory=lambda: list(INVARIANTS_CHECKED))
 
     @property
     def ok(self) -> bool:
@@ -116,6 +123,7 @@ class ChaosRun:
         self.faults = RealFaults(self)
         self.timeline: list[str] = []
         self.requests: dict[str, RequestLog] = {}
+        self.outcomes: list[tuple[float, str]] = []  # (sent at, "" or how it failed), each
         self.checker: Checker = Checker(cast(Any, self))  # it calls back only note()
         self.interrupted = False
         self.ended_at: float | None = None
@@ -259,6 +267,7 @@ class ChaosRun:
                         for c in scenario.clusters
                     ]
                 await self._guarded("chaos:faults", self._faults_then_settle())
+                await self.faults.stop_watches()
                 for job in jobs:
                     job.cancel()
         except* Exception as group:
@@ -366,7 +375,9 @@ class ChaosRun:
         await poisson_traffic(rng, self.scenario.rate_per_s, request)
 
     async def _request(self, cluster: str, log: RequestLog) -> None:
+        sent = self.now()
         kind = await self.client.send(cluster)
+        self.outcomes.append((sent, kind))
         if not kind:
             log.ok += 1
         else:
@@ -392,4 +403,28 @@ class ChaosRun:
             faults=[asdict(f) for f in self.scenario.faults],
             interrupted=self.interrupted,
             crashed=[{"task": name, "error": describe(exc)} for name, exc in self.crashes],
+            failovers=self._failovers(),
         )
+
+    def _failovers(self) -> list[dict[str, Any]]:
+        """Each failover, with the requests sent from its fault until the next one (or the
+        end of the run) that ended: how many, and how those that failed failed."""
+        failovers = self.faults.failovers
+        out = []
+        for i, failover in enumerate(failovers):
+            until = failovers[i + 1].at if i + 1 < len(failovers) else math.inf
+            window = [kind for sent, kind in self.outcomes if failover.at <= sent < until]
+            failed = Counter(kind for kind in window if kind)
+            # When the failed ones were sent, in seconds after the fault: [first, last].
+            when = [sent - failover.at for sent, kind in self.outcomes if kind and
+                    failover.at <= sent < until]  # fmt: skip
+            after = sum(n for kind, n in failed.items() if kind.endswith(AFTER_FIRST_BYTE))
+            failover.requests = {
+                "sent": len(window),
+                "failed": sum(failed.values()),
+                "failed_before_first_byte": sum(failed.values()) - after,
+                "failed_by_kind": dict(sorted(failed.items())),
+                "failed_sent_s": [round(min(when), 3), round(max(when), 3)] if when else [],
+            }
+            out.append(failover.to_json())
+        return out

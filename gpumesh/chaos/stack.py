@@ -19,7 +19,8 @@ import msgspec
 from events.contract import subjects
 from events.contract.messages import Fault, FaultReply
 
-from .kinds import IN_UP
+from .ha import HaLayout, HaProcess, is_process, read_layout
+from .kinds import IN_UP, IN_UP_HA
 from .procfs import (
     Proc,
     alive,
@@ -65,6 +66,7 @@ class Stack:
         self.data_dir = data_dir
         self.nats_url = nats_url
         self.found = scan(data_dir, nats_url)
+        self.ha = read_layout(data_dir, nats_url)  # a stack of `gpumesh up --ha`, else None
         self.nodes = {
             node_id: NodeState(node_id, proc) for node_id, proc in sorted(self.found.agents.items())
         }
@@ -113,6 +115,9 @@ class Stack:
     async def power_on(self, node: NodeState) -> None:
         if node.powered or node.agent is None:
             return
+        if self.ha is not None:
+            node.powered = True  # `up --ha` starts its agents again itself, after 1 s
+            return
         await self._spawn(node.agent, f"agent-{node.node_id}.log")
         node.powered = True
 
@@ -149,6 +154,8 @@ class Stack:
 
     def controller(self) -> tuple[Proc | None, str]:
         """The controller process a controller_crash may kill, else None and why not."""
+        if self.ha is not None:
+            return None, IN_UP_HA
         ctl = self.found.controller
         if ctl is not None and not alive(ctl.pid):
             ctl = scan(self.data_dir, self.nats_url).controller
@@ -176,6 +183,31 @@ class Stack:
     def nats_server(self) -> Proc | None:
         server = self.found.nats
         return server if server is not None and alive(server.pid) else None
+
+    def nats_pids(self) -> list[int]:
+        """The stack's nats-servers that run now: the three of `up --ha`, or the one."""
+        if self.ha is not None:
+            return [p.pid for p in self.ha_processes("nats-server")]
+        server = self.nats_server()
+        return [server.pid] if server is not None else []
+
+    # -- `gpumesh up --ha` ---------------------------------------------------------------------
+
+    def ha_layout(self) -> HaLayout | None:
+        """up-ha.json as it is now (`up` rewrites it when it starts a process again)."""
+        if self.ha is not None:
+            self.ha = read_layout(self.data_dir, self.nats_url) or self.ha
+        return self.ha
+
+    def ha_processes(self, role: str) -> list[HaProcess]:
+        """The processes of `role` that run now, by name, each checked against /proc."""
+        layout = self.ha_layout()
+        if layout is None:
+            return []
+        return [p for p in layout.named(role) if is_process(p, self.data_dir)]
+
+    def ha_process(self, role: str, name: str) -> HaProcess | None:
+        return next((p for p in self.ha_processes(role) if p.name == name), None)
 
     async def gpu_fault(self, node: NodeState, fault: Fault) -> str:
         """Send a fake-GPU fault; "" on success, else why not."""
