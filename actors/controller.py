@@ -197,14 +197,18 @@ class Controller:
                 (subjects.SUSPECT, self._on_suspicion),
             ]
             for subject, handler in subscriptions:
-                sub = await bus.subscribe(subject, queue="controller")
+                # No queue group: while a leader frozen past its lease still holds its
+                # subscriptions, a queue group would hand it a share of every node's heartbeats
+                # and the new leader would not hear those nodes. Every leader hears everything;
+                # a deposed one can act on none of it (its writes and publishes are fenced).
+                sub = await bus.subscribe(subject)
                 tasks.create_task(self._serve(sub, handler), name=f"serve:{subject}")
             await self._begin_hearing("started")
             bus.add_reconnect_callback(self._on_bus_back)
             from .control_api import ControlApi
 
             api = ControlApi(self)
-            api_sub = await bus.subscribe(subjects.API_ALL, queue="controller")
+            api_sub = await bus.subscribe(subjects.API_ALL)
             tasks.create_task(self._serve(api_sub, api.handle), name="serve:api")
             tasks.create_task(self._reconcile_loop(), name="reconcile")
             tasks.create_task(self._routing_loop(), name="routing")

@@ -217,10 +217,12 @@ class ControllerProcess:
         leading = self.controller
         live = leading.live if leading is not None else self.live
         applied = live.position if live is not None else 0
+        # By the lease, not by the role: a leader woken past its lease has not yet noticed.
+        leads = self.leadership.holds_lease()
         return RosterEntry(
             controller_id=self.controller_id,
-            role=self.leadership.role,
-            term=self.leadership.term if self.leadership.role == "leader" else 0,
+            role="leader" if leads else "standby",
+            term=self.leadership.term if leads else 0,
             applied=applied,
             head=applied,
             log=self.config.log,

@@ -172,7 +172,10 @@ class Leadership:
                 sent = self._clock.monotonic()
                 if sent >= self._expires:
                     # Woken past its own expiry (paused): the key may be someone else's now.
-                    reason = "the lease expired while this controller was paused"
+                    reason = (
+                        "the lease expired before it was renewed (this controller was paused, "
+                        "or NATS took no renewal in time)"
+                    )
                     break
                 try:
                     async with asyncio.timeout(max(0.0, self._expires - sent)):

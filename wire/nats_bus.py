@@ -505,6 +505,11 @@ async def ensure_stream(
         except BadRequestError as exc:
             if exc.err_code != _STREAM_CONFIG_DIFFERS:
                 raise
+            # Never fewer copies than the stream has: `replicas` comes from the cluster as
+            # the reachable server sees it, which is one short while a server is down, and a
+            # stream shrunk then stays shrunk after the server is back.
+            existing = await js.stream_info(config.name or "")
+            config.num_replicas = max(replicas, existing.config.num_replicas or 1)
             info = await js.update_stream(config)
             log.info("jetstream_stream_updated", stream=config.name)
     except nats.errors.Error as exc:

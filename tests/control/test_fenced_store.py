@@ -10,12 +10,13 @@ import asyncio
 import pytest
 
 from actors.controller_process import FencedCommands
-from actors.fenced_store import Deposed, FencedRebuildStore, fenced
+from actors.fenced_store import Deposed, FencedBus, FencedRebuildStore, fenced
 from actors.leadership import Leadership, LeaseTiming
 from events import MemoryEventStore
 from events.envelope import NewEvent
 from events.errors import EventStoreError
 from events.node import NodeRegistered
+from runtime.env import BusError
 
 
 class Guard:
@@ -134,3 +135,23 @@ async def test_a_leader_woken_past_its_expiry_holds_no_lease_and_steps_down() ->
     await asyncio.gather(task, return_exceptions=True)
     assert seen == [True, False]
     assert leadership.stepped_down and "lease may have expired" in leadership.stepped_down[0]
+
+
+class Bus:
+    def __init__(self) -> None:
+        self.published: list[str] = []
+
+    async def publish(self, subject: str, data: bytes, **_: object) -> None:
+        self.published.append(subject)
+
+
+async def test_a_deposed_leader_publishes_nothing() -> None:
+    """Not a lease in a heartbeat ack, not a routing table: the publish fails as a publish does
+    (BusError), which every publisher of the controller handles."""
+    guard, bus = Guard(), Bus()
+    fenced_bus = FencedBus(bus, guard)  # type: ignore[arg-type]
+    await fenced_bus.publish("_INBOX.ack", b"lease")
+    guard.holds = False
+    with pytest.raises(BusError):
+        await fenced_bus.publish("_INBOX.ack", b"stale lease")
+    assert bus.published == ["_INBOX.ack"] and guard.reasons

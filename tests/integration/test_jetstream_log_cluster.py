@@ -76,3 +76,24 @@ async def test_an_r1_log_gets_three_copies_and_survives_its_leaders_loss(
         await three.close()
     finally:
         await bus.close()
+
+
+async def test_a_stream_is_never_shrunk_by_a_smaller_view_of_the_cluster(
+    cluster: NatsCluster,
+) -> None:
+    """While a server is down, a process sees a cluster of two and asks for two copies; the
+    stream keeps its three (wire/nats_bus.py, ensure_stream)."""
+    from nats.js.api import StreamConfig
+
+    from wire.nats_bus import ensure_stream
+
+    bus = await NatsBus.connect(cluster.urls, name="t", reconnect_wait=0.1)
+    try:
+        js = bus.jetstream(timeout=10)
+        await ensure_stream(js, StreamConfig(name="S", subjects=["s.>"]), replicas=3)
+        changed = StreamConfig(name="S", subjects=["s.>"], description="another config")
+        info = await ensure_stream(js, changed, replicas=2)
+        assert info.config.num_replicas == 3
+        assert info.config.description == "another config"
+    finally:
+        await bus.close()

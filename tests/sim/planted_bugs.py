@@ -53,9 +53,17 @@ def remove_planted_bugs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def plant_expiry_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A leader that ignores its own expiry: it believes it holds the lease for as long as it
-    thinks it leads, so a leader woken from a pause past its lease (or cut off) writes until
-    a renewal tells it otherwise. The one_writer invariant must catch its writes."""
-    from actors.leadership import Leadership
+    """A leader that ignores its own expiry and goes on working when it steps down: it
+    believes it holds the lease whatever its clock says, and its term's work is not stopped
+    when the leadership gives the term up, so a leader woken from a pause past its lease (or
+    cut off) keeps writing beside its successor. The one_writer invariant must catch it.
 
-    monkeypatch.setattr(Leadership, "holds_lease", lambda self: self.role == "leader")
+    (Ignoring the expiry alone is no longer enough to show: a woken leader's renewal loop
+    runs first and steps down before any of its work does.)"""
+    from actors import leadership
+
+    async def left_running(task: object) -> None:
+        return None
+
+    monkeypatch.setattr(leadership.Leadership, "holds_lease", lambda self: True)
+    monkeypatch.setattr(leadership, "_stop", left_running)
