@@ -15,13 +15,14 @@ import nats.errors
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
+from events.contract import subjects
 from wire.nats_bus import NatsBus, describe, ensure_stream
 
 from .errors import ControllerError
 from .leadership import LeaderRecord, LeaseLost, LeaseTaken
 
-STREAM: Final = "GPUMESH_LEADER"
-SUBJECT: Final = "gpumesh.v1.leader.controller"
+STREAM: Final = subjects.LEADER_STREAM
+SUBJECT: Final = subjects.LEADER
 _EXPECTED_LAST_SUBJECT_SEQUENCE: Final = "Nats-Expected-Last-Subject-Sequence"
 _WRONG_LAST_SEQUENCE: Final = (10071, 10164)  # JetStream's codes for a failed expectation
 _NO_MESSAGE: Final = 10057  # "no message found": the sequence was deleted or expired

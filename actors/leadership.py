@@ -23,6 +23,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from events.contract import subjects
+from events.contract.messages import LeaderRecord as LeaderRecord  # re-exported: the lease value
 from runtime.env import Clock
 
 from .errors import ControllerError
@@ -34,15 +36,6 @@ class LeaseTaken(ControllerError):
 
 class LeaseLost(ControllerError):
     """The lease is not at the revision this controller last wrote: someone took it over."""
-
-
-class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """The lease's value: who leads, and since when (wall clock, ns)."""
-
-    controller_id: str
-    since_ns: int
-    renewed_ns: int = 0
-    term: int = 0  # the revision the lease was created at; 0 in that first write itself
 
 
 class LeaseBackend(Protocol):
@@ -71,6 +64,17 @@ class LeaseTiming:
     ttl_s: float = 3.0  # the key's time to live on the server
     renew_s: float = 1.0  # a leader renews this often
     poll_s: float = 0.25  # a standby looks this often
+    # A leader acts only this long after sending the last renewal that succeeded, stricter
+    # than its expiry (ttl_s): an agent whose heartbeats go unanswered, and who finds the
+    # lease still holding the last renewal it saw go by this long after, knows this leader
+    # has stopped acting for good (nodeagent/agent.py, the stalled leader). Above renew_s by
+    # what a renewal's round trip and the loop's lateness may take; a leader whose renewal
+    # takes longer steps down.
+    acts_s: float = subjects.LEADER_ACTS_S
+
+    def __post_init__(self) -> None:
+        if not self.renew_s < self.acts_s <= self.ttl_s:
+            raise ValueError("lease timing: renew_s < acts_s <= ttl_s")
 
 
 Role = Literal["standby", "leader"]
@@ -100,6 +104,8 @@ class Leadership:
         self.stepped_down: list[str] = []  # why, each time this controller gave a term up
         self._since_ns = 0
         self._expires = 0.0  # this leader's own expiry (monotonic), see holds_lease
+        self._acts_until = 0.0  # the last renewal that succeeded, sent + timing.acts_s
+        self.revision = 0  # the lease's revision as this leader last wrote it (0: standby)
         self._deposed = asyncio.Event()
         self._deposed_why = ""
 
@@ -108,7 +114,8 @@ class Leadership:
         every write of a term (actors/fenced_store.py): a leader paused past its lease (SIGSTOP,
         a long GC, a frozen VM) finds on waking that the monotonic clock moved past its
         expiry, and writes nothing, whichever of its tasks the loop happens to run first."""
-        return self.role == "leader" and self._clock.monotonic() < self._expires
+        now = self._clock.monotonic()
+        return self.role == "leader" and now < self._expires and now < self._acts_until
 
     def deposed(self, reason: str) -> None:
         """Something of this term found it may no longer act: step down now, not at the next
@@ -150,6 +157,8 @@ class Leadership:
             self.role, self.term, self._since_ns = "leader", revision, now_ns
             # Counted from the sending, as a renewal's: the server counts from storing it.
             self._expires = sent + self.timing.ttl_s
+            self._acts_until = sent + self.timing.acts_s
+            self.revision = revision
             self.terms_led += 1
             self._say("leadership_won", term=revision)
             return revision
@@ -170,22 +179,30 @@ class Leadership:
                     reason = self._deposed_why
                     break
                 sent = self._clock.monotonic()
-                if sent >= self._expires:
-                    # Woken past its own expiry (paused): the key may be someone else's now.
+                if sent >= min(self._expires, self._acts_until):
+                    # Woken past its own deadline (paused), or renewals failing: agents may
+                    # already count on this leader having stopped (LeaseTiming.acts_s).
                     reason = (
-                        "the lease expired before it was renewed (this controller was paused, "
-                        "or NATS took no renewal in time)"
+                        f"no renewal succeeded within {timing.acts_s:g} s (this controller was "
+                        "paused, or NATS took no renewal in time)"
                     )
                     break
                 try:
-                    async with asyncio.timeout(max(0.0, self._expires - sent)):
+                    deadline = min(self._expires, self._acts_until)
+                    async with asyncio.timeout(max(0.0, deadline - sent)):
                         revision = await self._renew(revision)
+                    if self._clock.monotonic() >= deadline:
+                        # Woken with the answer and the timeout both due, the answer first:
+                        # agents may already count on this leader having stopped.
+                        raise TimeoutError
                     self._expires = sent + timing.ttl_s
+                    self._acts_until = sent + timing.acts_s
+                    self.revision = revision
                 except LeaseLost:
                     reason = "another controller holds the lease"
                     break
                 except TimeoutError:
-                    reason = "the lease was not renewed before it expired"
+                    reason = f"no renewal succeeded within {timing.acts_s:g} s"
                     break
                 except ControllerError as exc:  # the backend's own failures, as ours
                     self._say("lease_renew_failed", error=str(exc))
@@ -200,7 +217,8 @@ class Leadership:
             raise
         finally:
             self.role = "standby"
-            self._expires = 0.0
+            self._expires = self._acts_until = 0.0
+            self.revision = 0
             await _stop(task)
         return reason
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Hashable
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any, cast
 
 import msgspec
@@ -20,6 +21,7 @@ from events.contract.messages import (
     FaultReply,
     Heartbeat,
     HeartbeatAck,
+    LeaderRecord,
     Register,
     RegisterReply,
     ReplicaReport,
@@ -30,6 +32,7 @@ from events.contract.messages import (
 from events.node import GpuMetrics
 from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import BusError, Env, Msg, NoResponders, RequestTimeout, is_no_responders
+from wire.errors import WireError
 
 from .config import AgentConfig
 from .fencing_front import DirectFront, front_path
@@ -46,6 +49,11 @@ _LEASE_SEQS_KEPT = 32  # heartbeats whose ack may still arrive
 _PROBE_SHARE = 0.8  # of the heartbeat interval: a hung probe delays a heartbeat, never skips it
 _RETRY_S = 1.0  # before re-subscribing after the bus or the command stream failed
 _REMEMBERED = 10_000  # command ids and finished replicas kept for idempotency
+# Past LEADER_ACTS_S after a renewal was seen, before the lease is read for it: for clock rates.
+_ACTS_MARGIN_S = 0.05
+_LEADER_RECORD = msgspec.json.Decoder(LeaderRecord)
+
+LeaseReader = Callable[[], Awaitable[LeaderRecord | None]]
 
 ReplicaKey = tuple[str, int]
 
@@ -74,8 +82,15 @@ class Agent:
         probe: GpuProbe,
         driver: WorkloadDriver,
         config: AgentConfig,
+        *,
+        read_lease: LeaseReader | None = None,
     ) -> None:
+        """`read_lease`: the leader lease's record now, read through the lease stream's
+        leader (wire/lease_read.py; None when nobody holds it). With it, an agent whose
+        controller stopped answering and stopped renewing keeps its lease (the stalled
+        leader, below); without it, only "no responders" does that."""
         self._env = env.bind(node=config.node_id)
+        self._read_lease = read_lease
         self._log: Any = self._env.log
         self._rng = env.derive_rng(f"nodeagent/{config.node_id}")
         self._commands = commands
@@ -119,6 +134,10 @@ class Agent:
         self._lease_s = 0.0  # the length of the last lease a controller granted
         self._leased: frozenset[tuple[str, int]] = frozenset()
         self.controller_absent = False  # heartbeats find no controller (we are connected)
+        self.controller_stalled = False  # our leader answers nothing and renews nothing
+        self._acked_at = -math.inf  # when the last accepted ack came (monotonic)
+        # The last renewal of our leader's lease seen going by, and when (monotonic).
+        self._renewal_seen: tuple[LeaderRecord, float] | None = None
         self.term = 0  # the newest leadership term heard of (commands and leases carry it)
         self._lease_changed = asyncio.Event()  # replaced after each new lease
         self._last_sample: tuple[tuple[GpuMetrics, ...], str] = ((), "")
@@ -157,6 +176,8 @@ class Agent:
             await self._registered.wait()
             group.create_task(self._heartbeats(), name="agent heartbeats")
             group.create_task(self._consume_commands(), name="agent commands")
+            if self._read_lease is not None:
+                group.create_task(self._watch_stalled_leader(), name="agent leader watch")
 
     def local_url(self, replica_id: str, epoch: int) -> str | None:
         """Where this node's replica `replica_id` at `epoch` serves, for the tunnel; None
@@ -319,9 +340,10 @@ class Agent:
             return  # a deposed leader's: it may no longer hold these replicas current
         if self._lease_until is None:
             self._log.info("lease_granted", lease_s=ack.lease_s)
-        if self.controller_absent:
-            self.controller_absent = False
+        if self.controller_absent or self.controller_stalled:
+            self.controller_absent = self.controller_stalled = False
             self._log.info("controller_back", lease_s=ack.lease_s)
+        self._acked_at = self._env.clock.monotonic()
         self._lease_seq = ack.seq
         self._lease_until = sent + ack.lease_s
         self._lease_s = ack.lease_s
@@ -363,6 +385,76 @@ class Agent:
             self._log.warning(
                 "controller_absent",
                 detail="heartbeats find no controller; serving on the last lease until one answers",
+                replicas=len(self._leased),
+            )
+
+    async def _watch_stalled_leader(self) -> None:
+        """A leader frozen past its lease (SIGSTOP, a paused VM) keeps its NATS connection and
+        its subscriptions: heartbeats reach it and get no answer, not "no responders", and
+        this node cannot tell that from being cut off itself, so its lease would lapse before
+        a standby takes over. The leader's renewals go by on `gpumesh.v1.leader.controller`;
+        this watches them. When heartbeats go unanswered and the last renewal seen is
+        LEADER_ACTS_S old, the lease itself is read, through the lease stream's leader: if it
+        still holds that renewal, the leader has stopped acting (it acts at most LEADER_ACTS_S
+        after sending a renewal that succeeded, and none succeeded since: it would be stored);
+        if the key is gone, no controller holds it. Either way nobody can act against this
+        node now, and a successor owes every node the grace (a lease plus the offline window)
+        before it declares one offline; once one leads, the lease holds its record and the
+        keeping stops. So the last lease is kept, counted from the newest heartbeat, as on
+        "no responders". A node cut off from NATS reads nothing: its lease lapses."""
+        assert self._read_lease is not None
+        sub = await self._env.bus.subscribe(subjects.LEADER, handler=self._on_renewal)
+        try:
+            every = self.heartbeat_interval / 4
+            while True:
+                await asyncio.sleep(every)
+                if self._may_keep_for_stalled_leader():
+                    await self._ask_the_lease()
+        finally:
+            await sub.unsubscribe()
+
+    def _on_renewal(self, msg: Msg) -> None:
+        try:
+            record = _LEADER_RECORD.decode(msg.data)
+        except msgspec.DecodeError:
+            return  # not for us to judge; the controllers keep the key
+        if record.term and record.term == self.term:
+            self._renewal_seen = (record, self._env.clock.monotonic())
+
+    def _may_keep_for_stalled_leader(self) -> bool:
+        now = self._env.clock.monotonic()
+        if self.term == 0 or self._lease_until is None or now > self._lease_until:
+            return False  # a controller without a lease, never leased, or lapsed already
+        if now - self._acked_at < self.heartbeat_interval + self.heartbeat_interval / 4:
+            return False  # answered lately
+        seen = self._renewal_seen
+        return seen is None or now >= seen[1] + subjects.LEADER_ACTS_S + _ACTS_MARGIN_S
+
+    async def _ask_the_lease(self) -> None:
+        assert self._read_lease is not None
+        try:
+            record = await self._read_lease()
+        except WireError as exc:
+            self._log.debug("lease_unreadable", error=exc.reason)
+            return
+        seen = self._renewal_seen
+        if record is not None:
+            if seen is None or record != seen[0] or record.term != self.term:
+                return  # a renewal we did not see, or another leader: it answers, or not
+            if self._env.clock.monotonic() < seen[1] + subjects.LEADER_ACTS_S + _ACTS_MARGIN_S:
+                return
+        newest = max(self._sent_at.values(), default=None)
+        now = self._env.clock.monotonic()
+        if newest is None or self._lease_until is None or now > self._lease_until:
+            return
+        self._lease_until = max(self._lease_until, newest + self._lease_s)
+        if not self.controller_stalled:
+            self.controller_stalled = True
+            self._log.warning(
+                "controller_stalled",
+                detail="the leader answers nothing and renews nothing; serving on the last lease "
+                "until a controller answers",
+                lease="gone" if record is None else "holding the last renewal seen",
                 replicas=len(self._leased),
             )
 

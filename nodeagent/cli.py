@@ -266,8 +266,11 @@ async def _open_driver(args: argparse.Namespace) -> Any:
 
 
 async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driver: Any) -> int:
+    from functools import partial
+
     from events import MemoryEventStore
     from runtime.real_env import real_env
+    from wire.lease_read import read_lease
     from wire.nats_access import CredentialsError
     from wire.nats_bus import BusUnavailable, NatsBus
     from wire.nats_commands import JetStreamCommandQueue
@@ -287,7 +290,7 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
         commands = await JetStreamCommandQueue.create(bus, manage_stream=False)
         # The agent keeps no events of its own; the Env's store is a placeholder.
         env = real_env(MemoryEventStore(), bus=bus)
-        agent = Agent(env, commands, probe, driver, config)
+        agent = Agent(env, commands, probe, driver, config, read_lease=partial(read_lease, bus))
         bus.add_reconnect_callback(agent.on_reconnect)
         revoked = await run_until_signal(
             _until_refused(agent.run(), bus.credentials_refused), on_second=agent.force_stop

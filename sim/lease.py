@@ -16,13 +16,18 @@ led it died) the server answers every request with an error, as JetStream does.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
+import msgspec
+
 from actors.errors import ControllerError
 from actors.leadership import LeaseLost, LeaseTaken
+from events.contract import subjects
+from events.contract.messages import LeaderRecord
 from runtime.env import RandomSource
+from wire.lease_read import LeaseUnreadable
 
 from .network import SERVER, SimNetwork
 
@@ -103,10 +108,14 @@ class SimLease:
         endpoint = self._network.endpoint(self._endpoint)
         return endpoint.is_connected and not self._network.cut(self._endpoint, SERVER)
 
-    async def _call(self, decide: Callable[[], T]) -> T:
+    async def _call(self, decide: Callable[[], T], *, write: bytes | None = None) -> T:
         if not self._reachable():
             await asyncio.sleep(REQUEST_TIMEOUT_S)
             raise ControllerError("the lease request timed out (not connected to NATS)")
+        if write is not None:
+            # A write of the key is a message on its subject: plain subscribers (agents
+            # watching renewals) get it as it passes the server, stored or not.
+            await self._network.endpoint(self._endpoint).publish(subjects.LEADER, write)
         await asyncio.sleep(self._rng.uniform(*ONE_WAY_S))
         key = self._key
         if not key.available():
@@ -128,13 +137,33 @@ class SimLease:
         return result  # type: ignore[return-value]
 
     async def create(self, value: bytes, ttl_s: float) -> int:
-        return await self._call(lambda: self._key.create(value, ttl_s))
+        return await self._call(lambda: self._key.create(value, ttl_s), write=value)
 
     async def renew(self, value: bytes, revision: int, ttl_s: float) -> int:
-        return await self._call(lambda: self._key.renew(value, revision, ttl_s))
+        return await self._call(lambda: self._key.renew(value, revision, ttl_s), write=value)
 
     async def read(self) -> tuple[bytes, int] | None:
         return await self._call(self._key.read)
 
     async def release(self, revision: int) -> None:
         await self._call(lambda: self._key.release(revision))
+
+
+_RECORD = msgspec.json.Decoder(LeaderRecord)
+
+
+def lease_reader(
+    key: LeaseKey, network: SimNetwork, endpoint: str, rng: RandomSource
+) -> Callable[[], Awaitable[LeaderRecord | None]]:
+    """An agent's read of the lease (wire/lease_read.py's role): the key's record, None when
+    absent, LeaseUnreadable when the server cannot be reached or the stream has no leader."""
+    client = SimLease(key, network, endpoint, rng)
+
+    async def record() -> LeaderRecord | None:
+        try:
+            found = await client.read()
+        except ControllerError as exc:
+            raise LeaseUnreadable(exc.reason) from None
+        return None if found is None else _RECORD.decode(found[0])
+
+    return record

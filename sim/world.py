@@ -42,6 +42,7 @@ from .commands import MemoryCommandQueue
 from .controllers import Controllers
 from .env import SeededStreams
 from .invariants import Checker
+from .lease import lease_reader
 from .loop import process_context
 from .network import SimNetwork
 from .scenario import FaultKind, FaultPlan, Scenario
@@ -353,7 +354,17 @@ class World:
         node.driver = FakeDriver(first_port=20_000 + 1000 * node.index + 50 * node.incarnation)
         config = AgentConfig(node_id=node.node_id, region=node.region, address="127.0.0.1")
         env = self.env(node.node_id)
-        node.agent = Agent(env, node.commands, node.probe, node.driver, config)
+        read_lease = None
+        if self.controllers is not None:
+            read_lease = lease_reader(
+                self.controllers.key,
+                self.network,
+                node.node_id,
+                self.derive(f"lease:{node.node_id}:{node.incarnation}"),
+            )
+        node.agent = Agent(
+            env, node.commands, node.probe, node.driver, config, read_lease=read_lease
+        )
         node.bus = self.network.endpoint(node.node_id)  # a fresh one after power loss
         node.bus.add_reconnect_callback(node.agent.on_reconnect)
         node.task = self.spawn(node.agent.run(), f"agent:{node.node_id}:{node.incarnation}")

@@ -120,3 +120,17 @@ def test_identity_names_are_checked(tmp_path: Path) -> None:
         identities.issue(layout, "a.b", "node")
     with pytest.raises(identities.SecurityError, match="invalid identity name"):
         identities.issue(layout, ">", "node")
+
+
+def test_a_node_may_read_the_lease_and_not_write_it() -> None:
+    """A node watches the leader's renewals and reads the lease (nodeagent/agent.py, a stalled
+    leader); writing the key is the controllers' alone."""
+    allowed = permissions("node", "n1")
+    assert allowed is not None
+    read = f"$JS.API.STREAM.MSG.GET.{subjects.LEADER_STREAM}"
+    assert any(subject_matches(p, read) for p in allowed.publish)
+    assert any(subject_matches(p, subjects.LEADER) for p in allowed.subscribe)
+    assert not any(subject_matches(p, subjects.LEADER) for p in allowed.publish)
+    for other in ("DELETE", "PURGE", "UPDATE", "MSG.DELETE"):
+        subject = f"$JS.API.STREAM.{other}.{subjects.LEADER_STREAM}"
+        assert not any(subject_matches(p, subject) for p in allowed.publish), subject

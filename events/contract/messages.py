@@ -138,6 +138,17 @@ class FaultReply(
     error: str = ""
 
 
+class LeaderRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """The leader lease's value (`gpumesh.v1.leader.controller`): who leads, since when, when it
+    last renewed (the leader's wall clock, ns), and its term (the revision the lease was
+    created at; 0 in that first write itself)."""
+
+    controller_id: str
+    since_ns: int
+    renewed_ns: int = 0
+    term: int = 0
+
+
 class RouteEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     replica_id: str
     node_id: str

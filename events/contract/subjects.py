@@ -15,6 +15,7 @@ PREFIX = f"gpumesh.{VERSION}"
 EVENTS_STREAM = "GPUMESH_EVENTS"  # every committed event, for replay by integrators
 COMMANDS_STREAM = "GPUMESH_COMMANDS"  # durable per-node command queues
 ROUTING_STREAM = "GPUMESH_ROUTING"  # the last routing table, for a gateway with no controller
+LEADER_STREAM = "GPUMESH_LEADER"  # the controllers' leader lease, one key
 
 # Headers of a message on the events stream (docs/subjects.md): the event's global position in
 # the log and its version in its stream. Only the controller's outbox sets them.
@@ -37,6 +38,14 @@ TUNNEL_ALL = f"{PREFIX}.node.*.tunnel"
 
 # Controller -> gateways.
 ROUTING = f"{PREFIX}.routing"
+
+# The leader lease's key (a JetStream subject): every write of it, a leader's renewal included,
+# is also a plain message agents watch (docs/subjects.md, GPUMESH_LEADER).
+LEADER = f"{PREFIX}.leader.controller"
+# A leader acts at most this long after sending a renewal that then succeeded (actors/
+# leadership.py, LeaseTiming.acts_s): an agent that saw a renewal go by, and finds the lease
+# still holding it this long after, knows that leader has stopped acting (nodeagent/agent.py).
+LEADER_ACTS_S = 1.3
 
 # Gateway -> controller: a replica the gateway ejected after consecutive failures.
 SUSPECT = f"{PREFIX}.gateway.suspect"

@@ -82,7 +82,11 @@ def _node(node_id: str, inbox: str) -> Permissions:
             f"{JS_API}.CONSUMER.INFO.{stream}.{consumer}",
             f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{consumer}",
             f"{JS_ACK}.{stream}.{consumer}.>",
+            # The leader lease, read through its stream's leader when the controller answers
+            # nothing (nodeagent/agent.py, a stalled leader; wire/lease_read.py).
+            f"{JS_API}.STREAM.MSG.GET.{subjects.LEADER_STREAM}",
         ),
-        subscribe=(subjects.tunnel(node_id), subjects.fault(node_id), inbox),
+        # ... and its renewals going by.
+        subscribe=(subjects.tunnel(node_id), subjects.fault(node_id), subjects.LEADER, inbox),
         responses=True,
     )

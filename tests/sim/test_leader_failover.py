@@ -186,3 +186,30 @@ def test_leader_failover_runs_clean(seed: int) -> None:
     assert all(a["availability"] >= 0.94 for a in result.availability.values())
     kinds = {line.split()[2] for line in result.timeline if line.split()[1:2] == ["fault"]}
     assert {"leader_crash", "leader_pause", "nats_server_loss", "controller_partition"} <= kinds
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_leader_frozen_past_its_lease_costs_no_node_its_lease(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> None:
+    """A frozen leader keeps its subscriptions: heartbeats reach it and go unanswered, with no
+    "no responders". Each agent watches the leader's renewals and, once the last one it saw is
+    LEADER_ACTS_S old and the lease (read through its stream's leader) still holds it, keeps
+    its lease (nodeagent/agent.py). Without that, every node's lease lapsed 1.4-2.4 s into the
+    pause, before the standby led (20 of 20 seeds)."""
+    import nodeagent.agent as agent_module
+
+    lapsed: set[str] = set()
+    real = agent_module.Agent.fenced
+
+    def fenced(self: agent_module.Agent, replica_id: str, epoch: int) -> str:
+        why = real(self, replica_id, epoch)
+        if why.startswith("this node's lease lapsed") and 20 < self._env.clock.monotonic() < 27:
+            lapsed.add(self.config.node_id)
+        return why
+
+    monkeypatch.setattr(agent_module.Agent, "fenced", fenced)
+    result, _ = run_scenario(_ha(FaultPlan(at_s=20.0, kind="leader_pause", duration_s=6.0)), seed)
+    assert result.violations == []
+    assert lapsed == set()
+    assert any("leader controller-" in line for line in result.timeline)
