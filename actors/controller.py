@@ -93,7 +93,8 @@ class Controller:
             env = dataclasses.replace(env, bus=FencedBus(env.bus, guard))
         self.env = env
         self.config = config or ControllerConfig()
-        self.commands = _InTerm(commands, self.config.term) if self.config.term else commands
+        in_term = _InTerm(commands, self.config.term) if self.config.term else commands
+        self.commands = _Persistent(in_term, log=env.log)
         self.live = LiveState(env.store, state)
         self.placement_lock = asyncio.Lock()
         self.dropped: Counter[str] = Counter()  # garbage and unroutable messages, by kind
@@ -515,6 +516,43 @@ class Controller:
                 },
             )
         )
+
+
+class _Persistent:
+    """The command queue, a send that NATS cannot take now asked again for a while: while the
+    command stream elects a leader (its server died) every publish fails for a few seconds, and
+    a command given up then (the replica actor crashing three times on it) was never sent
+    again; the replica stayed placed and never started. Command ids are deterministic and
+    deduplicated, so a repeat is harmless. A fenced refusal (Deposed) is not retried."""
+
+    def __init__(self, queue: CommandQueue, *, log: Any) -> None:
+        self._queue = queue
+        self._log = log
+
+    async def send(self, node_id: str, command: Command) -> None:
+        wait = _COMMAND_RETRY_FIRST_S
+        waited = 0.0
+        while True:
+            try:
+                await self._queue.send(node_id, command)
+                return
+            except BusError as exc:
+                if waited >= _COMMAND_RETRY_FOR_S:
+                    raise
+                self._log.info(
+                    "command_send_retry", node=node_id, command=command.command_id, error=str(exc)
+                )
+            await asyncio.sleep(wait)
+            waited += wait
+            wait = min(wait * 2, _COMMAND_RETRY_MAX_S)
+
+    def consume(self, node_id: str) -> AsyncIterator[Delivery]:
+        return self._queue.consume(node_id)
+
+
+_COMMAND_RETRY_FIRST_S = 0.25
+_COMMAND_RETRY_MAX_S = 2.0
+_COMMAND_RETRY_FOR_S = 20.0  # past a stream's election (5-6 s measured), well short of forever
 
 
 class _InTerm:
