@@ -29,6 +29,11 @@ from runtime.env import Clock
 
 from .errors import ControllerError
 
+# After a renewal NATS refused (not one that lost the lease), the next try comes this soon.
+_RETRY_RENEWAL_S = 0.05
+# One renewal attempt waits at most this long for its answer before another is sent.
+_RENEWAL_ATTEMPT_S = 0.25
+
 
 class LeaseTaken(ControllerError):
     """Another controller holds the lease."""
@@ -170,6 +175,7 @@ class Leadership:
         self._deposed.clear()
         task = asyncio.create_task(lead(revision), name=f"leader-term-{revision}")
         reason = ""
+        unsure = False  # the last renewal attempt timed out: it may have been stored
         try:
             while not reason:
                 if task.done():
@@ -187,25 +193,47 @@ class Leadership:
                         "paused, or NATS took no renewal in time)"
                     )
                     break
+                deadline = min(self._expires, self._acts_until)
                 try:
-                    deadline = min(self._expires, self._acts_until)
-                    async with asyncio.timeout(max(0.0, deadline - sent)):
+                    # One attempt may take a fraction of what is left: one lost with a dying
+                    # connection is asked again in time, not waited on to the deadline.
+                    attempt_ends = min(deadline, sent + _RENEWAL_ATTEMPT_S)
+                    async with asyncio.timeout(max(0.0, attempt_ends - sent)):
                         revision = await self._renew(revision)
-                    if self._clock.monotonic() >= deadline:
-                        # Woken with the answer and the timeout both due, the answer first:
-                        # agents may already count on this leader having stopped.
-                        raise TimeoutError
-                    self._expires = sent + timing.ttl_s
-                    self._acts_until = sent + timing.acts_s
-                    self.revision = revision
                 except LeaseLost:
-                    reason = "another controller holds the lease"
-                    break
+                    adopted = await self._ours() if unsure else None
+                    if adopted is None:
+                        reason = "another controller holds the lease"
+                        break
+                    # The attempt that timed out was stored after all: go on from it, with
+                    # the deadlines of the last renewal known to have succeeded.
+                    revision, unsure = adopted, False
+                    continue
                 except TimeoutError:
+                    if self._clock.monotonic() >= deadline:
+                        reason = f"no renewal succeeded within {timing.acts_s:g} s"
+                        break
+                    unsure = True  # it may have been stored: a LeaseLost next is checked
+                    self._say("lease_renew_slow", term=self.term)
+                    continue
+                except ControllerError as exc:  # the backend's own failures, as ours
+                    # Ask again soon, not a renewal period later: the deadline (acts_s) is
+                    # close, and a blip of NATS (a server restarting, a reconnection) must not
+                    # cost the term.
+                    self._say("lease_renew_failed", error=str(exc))
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(_RETRY_RENEWAL_S):
+                            await self._deposed.wait()
+                    continue
+                if self._clock.monotonic() >= deadline:
+                    # Woken with the answer and its deadline both due, the answer first:
+                    # agents may already count on this leader having stopped.
                     reason = f"no renewal succeeded within {timing.acts_s:g} s"
                     break
-                except ControllerError as exc:  # the backend's own failures, as ours
-                    self._say("lease_renew_failed", error=str(exc))
+                self._expires = sent + timing.ttl_s
+                self._acts_until = sent + timing.acts_s
+                self.revision = revision
+                unsure = False
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(timing.renew_s):
                         await self._deposed.wait()
@@ -221,6 +249,19 @@ class Leadership:
             self.revision = 0
             await _stop(task)
         return reason
+
+    async def _ours(self) -> int | None:
+        """The key's revision if what it holds is this term's own record, else None."""
+        try:
+            found = await self._backend.read()
+        except ControllerError:
+            return None
+        if found is None:
+            return None
+        value, revision = found
+        record = msgspec.json.decode(value, type=LeaderRecord)
+        mine = record.controller_id == self.controller_id and record.since_ns == self._since_ns
+        return revision if mine else None
 
     async def _renew(self, revision: int) -> int:
         record = LeaderRecord(
