@@ -54,8 +54,13 @@ async def operations(stack: Stack, rng: random.Random, ledger: Ledger, stop: asy
         try:
             await stack.api(verb, body, timeout=OPS_TIMEOUT_S)
         except ApiError as exc:
-            # A clear no (an unknown cluster, a name taken): not acknowledged, nothing to keep.
-            ledger.refused[f"{verb}: " + str(exc).split(":", 1)[-1].split("(")[0].strip()] += 1
+            reason = str(exc).split(":", 1)[-1].split("(")[0].strip()
+            ledger.refused[f"{verb}: " + reason] += 1
+            if not any(clear in str(exc) for clear in _CLEAR_NOES):
+                # Not a clear no but a failure inside the controller (its term ended, the
+                # store or NATS failed) after it may have recorded the operation: its outcome
+                # is unknown, as an unanswered one's.
+                ledger.unanswered[name] += 1
         except (BusError, TimeoutError, OSError):
             ledger.refused["no answer"] += 1  # controller or NATS down: not acknowledged
             ledger.unanswered[name] += 1
@@ -72,6 +77,9 @@ async def operations(stack: Stack, rng: random.Random, ledger: Ledger, stop: asy
                 ledger.seen_events[event["event_id"]] = event["position"]
         await asyncio.sleep(rng.uniform(0.02, 0.15))
 
+
+# Refusals that say the operation was not applied (the controller checked before writing).
+_CLEAR_NOES = ("unknown cluster", "already exists")
 
 _OP_EVENTS = {
     "cluster.create": "cluster.created.v1",
