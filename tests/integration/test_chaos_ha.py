@@ -126,7 +126,13 @@ async def test_chaos_plays_the_leaders_and_a_nats_servers_loss_against_up_ha(
             print(
                 "\nchaos on up --ha: "
                 + "; ".join(
-                    f"{f['kind']} {f['leads_again_s']:.2f} s, {f['requests']['failed']}/"
+                    f"{f['kind']} "
+                    + (
+                        f"{f['leads_again_s']:.2f} s"
+                        if f["leads_again_s"] is not None
+                        else "no leader"
+                    )
+                    + f", {f['requests']['failed']}/"
                     f"{f['requests']['sent']} failed"
                     for f in (crash, pause, loss)
                 )
