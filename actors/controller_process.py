@@ -12,8 +12,10 @@ Where the log lives decides how ready a standby is:
   rebuilds from it, as a restarted controller does. Both controllers must then see the same
   file: the same machine, the same data directory.
 
-Every term writes through the lease (actors/fenced_store.py): once this controller's own
-expiry has passed it appends nothing and sends no command, and steps down.
+Every term begins with its record in the log and writes through the lease
+(actors/fenced_store.py): once this controller's own expiry has passed it appends nothing and
+sends no command, and steps down; on JetStream the server also refuses every append of the term
+once a newer term is recorded.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from events.controller import LeaderTermBegan
 from events.errors import EventStoreError
 from events.store import EventStore
 from runtime.command_queue import CommandQueue, Delivery
@@ -122,8 +125,12 @@ class ControllerProcess:
             opened = store = await SqliteEventStore.open(self.config.events_db)
         else:
             store = self._store
+        guarded = fenced(store, self.leadership, term=term)
         try:
-            guarded = fenced(store, self.leadership, term=term)
+            env = real_env(guarded, bus=self.bus)
+            record = env.new_event(LeaderTermBegan(controller_id=self.controller_id, term=term))
+            at = await self._until_done(lambda: guarded.begin_term(record), "the term record")
+            self._say("term_recorded", term=term, position=at)
             queue = await self._until_done(
                 lambda: JetStreamCommandQueue.create(self.bus), "the command stream"
             )
@@ -132,7 +139,7 @@ class ControllerProcess:
             config = replace(self.config.controller, term=term)
             state = self.live.state if self.live is not None else None
             controller = Controller(
-                real_env(guarded, bus=self.bus),
+                env,
                 commands,
                 config,
                 state=state,
@@ -147,6 +154,7 @@ class ControllerProcess:
             raise
         finally:
             self.controller = None
+            guarded.end_term()
             if opened is not None:
                 await opened.close()
             elif self.live is not None:

@@ -1,27 +1,30 @@
-"""A leader's event store: every write of a term asks the lease first.
+"""A leader's event store: a term begins with its record in the log, and every write of the
+term asks the lease first.
 
-The log itself refuses a writer that did not see the last append to the stream it extends (each
-store's expected version, checked by SQLite in its transaction and by JetStream on the server).
-That fences a deposed leader out of every stream its successor has written since; this fences
-it out of the others too. Before each write the store asks the leadership whether this
-controller still holds its lease by its own clock (actors/leadership.py, holds_lease: the
-expiry is counted from when the last renewal was *sent*, so it passes before the key can
-expire on the server). A leader paused past its lease (SIGSTOP, a frozen VM) or cut off from
-NATS therefore writes nothing once it could have been replaced, tells the leadership to step
-down, and says why.
+Two fences, one in the process and one in the log:
 
-What remains is the instant between the check and the write reaching the log: a pause that
-long (longer than the lease's time to live, landing exactly there) is caught only by the
-per-stream check above. docs/operations.md, Terms and fencing.
+- Before each write the store asks the leadership whether this controller still holds its
+  lease by its own clock (actors/leadership.py, holds_lease: the expiry is counted from when
+  the last renewal was *sent*, so it passes before the key can expire on the server). A leader
+  paused past its lease (SIGSTOP, a frozen VM) or cut off from NATS therefore writes nothing
+  once it could have been replaced, tells the leadership to step down, and says why.
+- A term begins by appending its record (`controller.term.v1`) to `leadership/terms`. On
+  JetStream every later append of the term is conditional, on the server, on that stream
+  still ending at this record (events/jetstream_store/store.py, fence): once a successor has
+  recorded its term, an append of the old one is refused whole (TermEnded, here Deposed),
+  whatever instant it reaches the log. That covers what the first fence cannot: a leader
+  paused between its check and its write. The SQLite log, one file on one machine, has only
+  the first fence and each stream's expected version. docs/operations.md, Terms and fencing.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+from events.controller import TERMS_STREAM, LeaderTermBegan
 from events.envelope import Envelope, NewEvent
-from events.errors import EventStoreError
+from events.errors import ConcurrencyConflict, EventStoreError, TermEnded
 from events.store import EventStore, RebuildReader, Snapshot
 from runtime.env import Bus, BusError, Msg, MsgHandler, ReconnectCallback, Subscription
 
@@ -32,6 +35,15 @@ class LeaseGuard(Protocol):
     def holds_lease(self) -> bool: ...
 
     def deposed(self, reason: str) -> None: ...
+
+
+@runtime_checkable
+class TermFencing(Protocol):
+    """A store that can make its appends conditional on the term record (JetStream's)."""
+
+    async def fence(self, stream: str) -> int: ...
+
+    def unfence(self) -> None: ...
 
 
 class Deposed(EventStoreError, ControllerError):
@@ -59,17 +71,59 @@ class FencedStore:
             self._guard.deposed(reason)
             raise Deposed(reason)
 
+    def _ended(self, exc: TermEnded) -> Deposed:
+        self.refused += 1
+        reason = f"term {self._term}: a newer term is recorded in the log ({exc})"
+        self._guard.deposed(reason)
+        return Deposed(reason)
+
+    async def begin_term(self, record: NewEvent) -> int:
+        """Append `record` (a LeaderTermBegan of this term) to `leadership/terms`, then fence
+        every later write on it where the store can. Refuses (Deposed) when the log already
+        holds a newer term. Returns the record's position; asked again, the same record is
+        found where it was stored."""
+        mine = record.payload
+        assert isinstance(mine, LeaderTermBegan) and mine.term == self._term, record
+        self._check()
+        while True:
+            version = await self.inner.stream_version(TERMS_STREAM)
+            for envelope in await self.inner.read_stream(TERMS_STREAM, max(1, version)):
+                last = envelope.payload
+                if isinstance(last, LeaderTermBegan) and last.term > mine.term:
+                    raise self._ended(TermEnded(f"{last.controller_id} leads term {last.term}"))
+            self._check()
+            try:
+                [position] = await self.inner.append(TERMS_STREAM, [record], version)
+            except ConcurrencyConflict:
+                continue  # another controller's record came first: is it newer?
+            break
+        if isinstance(self.inner, TermFencing):
+            await self.inner.fence(TERMS_STREAM)
+        return position
+
+    def end_term(self) -> None:
+        if isinstance(self.inner, TermFencing):
+            self.inner.unfence()
+
     async def append(
         self, stream: str, events: Sequence[NewEvent], expected_version: int
     ) -> list[int]:
         self._check()
-        return await self.inner.append(stream, events, expected_version)
+        try:
+            return await self.inner.append(stream, events, expected_version)
+        except TermEnded as exc:
+            raise self._ended(exc) from exc
 
     async def append_many(
         self, appends: Sequence[tuple[str, Sequence[NewEvent], int]]
     ) -> list[list[int] | EventStoreError]:
         self._check()
-        return await self.inner.append_many(appends)
+        results = await self.inner.append_many(appends)
+        ended = next((r for r in results if isinstance(r, TermEnded)), None)
+        if ended is None:
+            return results
+        deposed = self._ended(ended)
+        return [deposed if isinstance(r, TermEnded) else r for r in results]
 
     async def compact_heartbeats(self, older_than_ns: int) -> int:
         self._check()

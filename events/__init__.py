@@ -20,7 +20,11 @@ from .cluster import (
     ClusterUnschedulable as ClusterUnschedulable,
     GpuRequirement as GpuRequirement,
 )
-from .controller import ControllerGrace as ControllerGrace
+from .controller import (
+    TERMS_STREAM as TERMS_STREAM,
+    ControllerGrace as ControllerGrace,
+    LeaderTermBegan as LeaderTermBegan,
+)
 from .envelope import (
     Envelope as Envelope,
     NewEvent as NewEvent,
@@ -34,6 +38,7 @@ from .errors import (
     InvalidAppend as InvalidAppend,
     StoreClosed as StoreClosed,
     StoreFull as StoreFull,
+    TermEnded as TermEnded,
 )
 from .memory_store import MemoryEventStore as MemoryEventStore
 from .node import (

@@ -13,7 +13,7 @@ from .cluster import (
     ClusterSpecChanged,
     ClusterUnschedulable,
 )
-from .controller import ControllerGrace
+from .controller import TERMS_STREAM, ControllerGrace, LeaderTermBegan
 from .errors import InvalidAppend
 from .ids import valid_id
 from .node import NodeDrained, NodeHealthChanged, NodeHeartbeat, NodeRegistered, NodeRemoved
@@ -42,7 +42,7 @@ ReplicaEvent: TypeAlias = (
     | ReplicaStopped
     | ReplicaSuspected
 )
-ControllerEvent: TypeAlias = ControllerGrace
+ControllerEvent: TypeAlias = ControllerGrace | LeaderTermBegan
 DomainEvent: TypeAlias = NodeEvent | ClusterEvent | ReplicaEvent | ControllerEvent
 
 EVENT_TYPES: tuple[type[DomainEvent], ...] = (
@@ -64,6 +64,7 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     ReplicaStopped,
     ReplicaSuspected,
     ControllerGrace,
+    LeaderTermBegan,
 )
 
 HEARTBEAT_TYPE = "node.heartbeat.v1"
@@ -72,7 +73,7 @@ _NODE_TYPES = (NodeRegistered, NodeHealthChanged, NodeDrained, NodeRemoved)
 # Heartbeats have a stream of their own beside `node/<id>`: the controller records them in
 # batches, one append for many nodes, without taking a turn in each NodeActor's mailbox, and
 # the NodeActor, which owns `node/<id>` and its decisions, never races those appends.
-STREAM_KINDS = ("node", "heartbeat", "cluster", "replica", "controller")
+STREAM_KINDS = ("node", "heartbeat", "cluster", "replica", "controller", "leadership")
 _CLUSTER_SPEC_TYPES = (ClusterCreated, ClusterSpecChanged)
 
 
@@ -95,6 +96,8 @@ def stream_of(event: DomainEvent) -> str:
         return f"cluster/{event.name}"
     if isinstance(event, ControllerGrace):
         return f"controller/{event.controller_id}"
+    if isinstance(event, LeaderTermBegan):
+        return TERMS_STREAM
     return f"replica/{event.replica_id}"
 
 
@@ -102,8 +105,8 @@ def stream_name(kind: str, ident: str) -> str:
     """Build `kind/ident`, refusing ids that cannot appear in a NATS subject."""
     if kind not in STREAM_KINDS:
         raise InvalidAppend(
-            f"unknown stream kind {kind!r}: expected node, heartbeat, cluster, replica or "
-            "controller"
+            f"unknown stream kind {kind!r}: expected node, heartbeat, cluster, replica, "
+            "controller or leadership"
         )
     if not valid_id(ident):
         raise InvalidAppend(f"invalid {kind} id {ident!r}: use 1-128 of [A-Za-z0-9_-]")
@@ -117,7 +120,7 @@ def check_stream(stream: str) -> None:
     if not sep:
         raise InvalidAppend(
             f"invalid stream {stream!r}: expected node/<id>, heartbeat/<id>, cluster/<name>, "
-            "replica/<id> or controller/<id>"
+            "replica/<id>, controller/<id> or leadership/terms"
         )
     stream_name(kind, ident)
     if len(_VALID_STREAMS) >= _VALID_STREAMS_KEPT:

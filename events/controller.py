@@ -1,4 +1,5 @@
-"""Events in a controller's stream (`controller/<controller_id>`): what it decided about itself."""
+"""Events of controllers: what one decided about itself (in its stream,
+`controller/<controller_id>`), and the terms of leadership (`leadership/terms`)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,18 @@ class ControllerGrace(
     reason: GraceReason
     grace_s: float
     lease_s: float  # the longest lease a node may still hold from before
+
+
+TERMS_STREAM = "leadership/terms"
+
+
+class LeaderTermBegan(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="controller.term.v1"
+):
+    """A controller won the lease and leads `term` from here on. The last record in
+    `leadership/terms` fences the log: on JetStream every append of a leader is conditional on
+    this stream still ending at its own record (actors/fenced_store.py), so once a successor
+    has written its record, nothing of an older term can reach the log."""
+
+    controller_id: str
+    term: int

@@ -50,6 +50,11 @@ class StoreClosed(EventStoreError):
         super().__init__("the event store is closed")
 
 
+class TermEnded(EventStoreError):
+    """A newer leadership term is recorded in the log: this writer's term is over and its
+    append was refused whole (nothing of it was written)."""
+
+
 class StoreIOError(EventStoreError):
     """Any other storage failure, with the driver's message."""
 

@@ -13,6 +13,14 @@ Design (figures: docs/performance.md, JetStream store):
   never both extend a stream: the fencing high availability relies on. On a refusal the store
   reads what it missed and answers as the memory store would (ConcurrencyConflict with the
   real version, the original positions of a retry, or, with ANY, a new try).
+- Fenced on a term (`fence`, a leader's store: actors/fenced_store.py): every append is
+  conditional instead on `leadership/terms` still ending at the leader's own term record
+  (`Nats-Expected-Last-Subject-Sequence-Subject` names that subject; nats-server 2.11+), one
+  expectation per message being all the server takes. A newer term's record makes the server
+  refuse every append of the old one (TermEnded). The stream versions are then checked by the
+  writer against its index, which `fence` made exact up to the record (it reads what the
+  index had not seen; `LogIndex.learned_through` says how far it had) and which only this
+  writer can extend after it.
 - Atomic appends: an append of several events is one atomic batch (ADR-50, nats-server 2.12+:
   `allow_atomic`, `Nats-Batch-Id`/`-Sequence`/`-Commit`, the commit acknowledged), stored at
   consecutive sequences or not at all. Found on nats-server 2.15.1: the batch takes the

@@ -32,6 +32,9 @@ _SCAN_IDLE_S = 5.0  # a scan that hears nothing for this long has lost its consu
 # Past this many, an old forgotten id that is retried meets the server's duplicate check and
 # is written again after it (writer.py): the same outcome, a little later.
 _FORGOTTEN_KEPT = 1 << 16
+# Positions learned past `learned_through`, waiting for the gap before them to fill. Past this
+# many the index stops counting them: the next fence reads a longer stretch, nothing worse.
+_AHEAD_KEPT = 1 << 16
 
 
 class Beat(NamedTuple):
@@ -61,6 +64,10 @@ class LogIndex:
         # duplicate window, so they are written again without Nats-Msg-Id.
         self._forgotten: dict[str, None] = {}
         self._sending: dict[str, tuple[str, int]] = {}
+        # Every position up to this one is known here (scanned, read, appended or observed):
+        # what a fence reads past to make the index exact (see fence_read).
+        self.learned_through = 0
+        self._ahead: set[int] = set()
 
     def state(self, stream: str) -> StreamState:
         state = self.streams.get(stream)
@@ -103,6 +110,7 @@ class LogIndex:
         state.version += len(events)
         for event, position in zip(events, positions, strict=True):
             self.ids[event.event_id] = (stream, position)
+            self._learned(position)
         if state.beats is not None:
             state.beats += [
                 Beat(p, e.recorded_at, e.event_id) for e, p in zip(events, positions, strict=True)
@@ -112,6 +120,7 @@ class LogIndex:
         """A message read from the server, in sequence order."""
         stream = self.options.stream_of(subject)
         state = self.state(stream)
+        self._learned(seq)
         if seq <= state.last_seq:
             return
         state.last_seq = seq
@@ -124,6 +133,7 @@ class LogIndex:
     def learn_committed(self, envelope: Envelope) -> None:
         """An event another writer committed, as a subscriber saw it (in position order)."""
         state = self.state(envelope.stream)
+        self._learned(envelope.position)
         if envelope.position <= state.last_seq:
             return
         state.last_seq = envelope.position
@@ -131,6 +141,30 @@ class LogIndex:
         self.ids[envelope.event_id] = (envelope.stream, envelope.position)
         if state.beats is not None:
             state.beats.append(Beat(envelope.position, envelope.recorded_at, envelope.event_id))
+
+    def _learned(self, position: int) -> None:
+        if position <= self.learned_through:
+            return
+        if position != self.learned_through + 1:
+            if len(self._ahead) < _AHEAD_KEPT:
+                self._ahead.add(position)
+            return
+        self.learned_through = position
+        self._pull_ahead()
+
+    def learned_all_through(self, position: int) -> None:
+        """Every message up to `position` has been read (a scan, a fence's read): a gap below
+        it is a message since deleted, not one unknown."""
+        if position > self.learned_through:
+            self.learned_through = position
+            self._ahead = {p for p in self._ahead if p > position}
+            self._pull_ahead()
+
+    def _pull_ahead(self) -> None:
+        ahead = self._ahead
+        while ahead and self.learned_through + 1 in ahead:
+            self.learned_through += 1
+            ahead.discard(self.learned_through)
 
     def forget(self, beats: Sequence[Beat], stream: str) -> None:
         for beat in beats:
@@ -149,6 +183,7 @@ class LogIndex:
         """Read every message's headers once, oldest first, through an ordered consumer."""
         last_seq, count = await api.last_sequence()
         if count == 0:
+            self.learned_all_through(last_seq)
             return
         js = api.nc.jetstream(timeout=self.options.request_timeout_s)
         queue: asyncio.Queue[Msg] = asyncio.Queue()
@@ -179,6 +214,7 @@ class LogIndex:
                 meta = msg.metadata
                 self.learn(msg.subject, meta.sequence.stream, msg.headers or {})
                 if meta.num_pending == 0 or meta.sequence.stream >= last_seq:
+                    self.learned_all_through(meta.sequence.stream)
                     return
         finally:
             with contextlib.suppress(nats.errors.Error, OSError):

@@ -24,6 +24,9 @@ EVENT_ID: Final = "Gpumesh-Event-Id"
 VERSION: Final = "Gpumesh-Stream-Version"
 RECORDED_AT: Final = "Gpumesh-Recorded-At"
 EXPECTED_LAST_SUBJECT_SEQ: Final = "Nats-Expected-Last-Subject-Sequence"
+# With it, the expected sequence is that of the last message on this subject instead of the
+# message's own: how a leader's appends are made conditional on its term record (store.fence).
+EXPECTED_SUBJECT: Final = "Nats-Expected-Last-Subject-Sequence-Subject"
 BATCH_ID: Final = "Nats-Batch-Id"
 BATCH_SEQ: Final = "Nats-Batch-Sequence"
 BATCH_COMMIT: Final = "Nats-Batch-Commit"

@@ -123,6 +123,36 @@ class JetStreamEventStore:
             results[index] = outcome
         return results
 
+    async def fence(self, stream: str) -> int:
+        """From now on every append is conditional on `stream` still ending where this store
+        last appended to it: a leader fences its writes with its term record
+        (actors/fenced_store.py), so that none lands once a successor has recorded its own
+        term, however long the old leader was paused. Before that, the index learns every
+        message up to the record, so that it can check each stream's version itself (see
+        writer.py). Returns the sequence fenced on."""
+        self._check_open()
+        async with self._writer.turns.alone():
+            state = self._index.state(stream)
+            fence_seq = state.last_seq
+            if fence_seq == 0:
+                raise InvalidAppend(f"cannot fence on {stream!r}: this store wrote nothing there")
+            start = self._index.learned_through + 1
+            while start <= fence_seq:
+                msgs = await self._read(start, fence_seq - start + 1, None, fence_seq)
+                for msg in msgs:
+                    if sequence_of(msg) <= fence_seq:
+                        self._index.learn(subject_of(msg), sequence_of(msg), msg.headers or {})
+                if not msgs:
+                    break
+                start = sequence_of(msgs[-1]) + 1
+            self._index.learned_all_through(fence_seq)
+            self._writer.fence = (self.options.subject(stream), fence_seq)
+        return fence_seq
+
+    def unfence(self) -> None:
+        """Appends are conditional on their own streams again (the term is over)."""
+        self._writer.fence = None
+
     async def compact_heartbeats(self, older_than_ns: int) -> int:
         """Purge, per heartbeat subject, what is older than the bound, keeping the latest.
 

@@ -17,6 +17,14 @@ What the server may answer, and what the writer does:
   memory store appends an event whose id compaction forgot.
 - 10176 batch incomplete: the server abandoned the batch (too many in flight, or a message
   lost on the way); nothing of it was stored, so it is sent again.
+
+A fenced writer (a leader's, store.fence) sends another condition instead of its stream's:
+that the log's term record is still the one of its own term
+(`Nats-Expected-Last-Subject-Sequence-Subject` names the terms subject). The server then checks
+the term on every append, and the writer checks each stream's version itself, against an index
+that is exact for the term: everything before the term record was read when it began, and
+nothing after it can be written but by this writer. A 10071 then means only that a newer term
+is recorded: TermEnded, nothing written.
 """
 
 from __future__ import annotations
@@ -28,7 +36,13 @@ from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Final
 
 from events.envelope import NewEvent
-from events.errors import ConcurrencyConflict, DuplicateEventId, EventStoreError, StoreIOError
+from events.errors import (
+    ConcurrencyConflict,
+    DuplicateEventId,
+    EventStoreError,
+    StoreIOError,
+    TermEnded,
+)
 from events.store import ANY
 
 from . import messages as m
@@ -113,6 +127,8 @@ class Writer:
         self._batches = 0
         self.turns = Turns()
         self.acked_max = 0  # the highest sequence this store has seen acknowledged
+        # (the terms subject, the sequence of this writer's term record) while fenced
+        self.fence: tuple[str, int] | None = None
 
     async def append(self, stream: str, events: Sequence[NewEvent], expected: int) -> list[int]:
         """Append checked events (check_batch passed, not empty)."""
@@ -288,6 +304,12 @@ class Writer:
                 continue
             assert ack.error is not None
             code = ack.error.err_code
+            if code == WRONG_LAST_SEQUENCE and self.fence is not None:
+                raise TermEnded(
+                    f"event store on NATS stream {self._options.stream}: append to {stream!r} "
+                    f"refused: a newer term than the one recorded at {self.fence[1]} is in the "
+                    f"log ({ack.error.description})"
+                )
             if code == WRONG_LAST_SEQUENCE:
                 caught_up = True
                 known = state.last_seq
@@ -336,7 +358,7 @@ class Writer:
     ) -> Sent:
         event = events[0]
         hdrs = m.headers(event, state.version + 1, dedupe=dedupe)
-        hdrs[m.EXPECTED_LAST_SUBJECT_SEQ] = str(state.last_seq)
+        self._expect(hdrs, state)
         self._index.sending(stream, events)
         try:
             return await self._api.send(self._options.subject(stream), m.body(event), hdrs)
@@ -364,13 +386,21 @@ class Writer:
             hdrs[m.BATCH_ID] = batch_id
             hdrs[m.BATCH_SEQ] = str(i)
             if i == 1:
-                hdrs[m.EXPECTED_LAST_SUBJECT_SEQ] = str(state.last_seq)
+                self._expect(hdrs, state)
             if i == last:
                 hdrs[m.BATCH_COMMIT] = "1"
                 return await self._api.send(subject, m.body(event), hdrs)
             # Only the commit is acknowledged; these are queued on the connection before it.
             await self._api.send_only(subject, m.body(event), hdrs)
         raise AssertionError("a batch has at least two events")
+
+    def _expect(self, hdrs: dict[str, str], state: StreamState) -> None:
+        if self.fence is None:
+            hdrs[m.EXPECTED_LAST_SUBJECT_SEQ] = str(state.last_seq)
+        else:
+            subject, seq = self.fence
+            hdrs[m.EXPECTED_LAST_SUBJECT_SEQ] = str(seq)
+            hdrs[m.EXPECTED_SUBJECT] = subject
 
     async def _catch_up(
         self, stream: str, state: StreamState, events: Sequence[NewEvent]

@@ -19,6 +19,8 @@ from typing import Any
 import msgspec
 import pytest
 
+from events import TERMS_STREAM, LeaderTermBegan
+from events.jetstream_store import JetStreamEventStore, JetStreamOptions
 from gpumesh.cli import main
 from runtime.errors import BusError
 from tests.integration.stack import Stack, echo_spec, started_stack
@@ -138,6 +140,21 @@ async def test_with_the_log_on_jetstream_a_standby_elsewhere_follows_and_takes_o
     cluster = await serving(stack, 1)
     assert cluster["desired"] == 1
     assert (await status(stack, capsys))["leader"] == "standby-1"
+    # Each term began with its record, the one its appends were fenced on.
+    terms = await term_records(stack)
+    assert [t.controller_id for t in terms][-1] == "standby-1", terms
+    assert len(terms) >= 2 and [t.term for t in terms] == sorted({t.term for t in terms}), terms
+
+
+async def term_records(stack: Stack) -> list[LeaderTermBegan]:
+    log = await JetStreamEventStore.open(
+        stack.bus.client, JetStreamOptions(replicas=stack.bus.stream_replicas)
+    )
+    try:
+        found = [e.payload for e in await log.read_stream(TERMS_STREAM)]
+    finally:
+        await log.close()
+    return [t for t in found if isinstance(t, LeaderTermBegan)]
 
 
 @pytest.mark.timeout(120)

@@ -1,0 +1,150 @@
+"""A leader's appends are fenced on its term record, by the server (store.fence): once a newer
+term is recorded, nothing of the old term reaches the log, whatever its own view of the
+streams. Run on the nats-server the contract tests share, a stream of their own each."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+
+from actors.fenced_store import Deposed, fenced
+from events import (
+    ANY,
+    NO_STREAM,
+    TERMS_STREAM,
+    ConcurrencyConflict,
+    LeaderTermBegan,
+    NodeDrained,
+    NodeHeartbeat,
+    NodeRegistered,
+    TermEnded,
+)
+from events.jetstream_store import JetStreamEventStore, JetStreamOptions
+from tests.contract.jetstream import drop, fresh_options, open_store
+from tests.factories import EventMaker
+
+
+@pytest.fixture
+async def options() -> AsyncIterator[JetStreamOptions]:
+    o = fresh_options()
+    try:
+        yield o
+    finally:
+        await drop(o)
+
+
+@contextlib.asynccontextmanager
+async def opened(options: JetStreamOptions) -> AsyncIterator[JetStreamEventStore]:
+    store = await open_store(options)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+class Lease:
+    """A guard that always believes it leads: the process's own fence is out of the way, so
+    what is refused here is refused by the server."""
+
+    def __init__(self) -> None:
+        self.why: list[str] = []
+
+    def holds_lease(self) -> bool:
+        return True
+
+    def deposed(self, reason: str) -> None:
+        self.why.append(reason)
+
+
+def note(node: str, seq: int) -> NodeDrained:
+    return NodeDrained(node_id=node, reason=f"note {seq}")
+
+
+async def test_a_term_fenced_out_by_a_newer_one_writes_nothing(options: JetStreamOptions) -> None:
+    make = EventMaker()
+    async with opened(options) as old, opened(options) as new:
+        old_lease, new_lease = Lease(), Lease()
+        old_store = fenced(old, old_lease, term=3)
+        new_store = fenced(new, new_lease, term=4)
+        await old_store.begin_term(make(LeaderTermBegan(controller_id="c1", term=3)))
+        assert await old_store.append("node/a", [make(NodeRegistered(node_id="a"))], 0) == [2]
+        await old_store.append("heartbeat/a", [make(NodeHeartbeat(node_id="a", seq=0))], ANY)
+        # The new leader has not seen node/a: its fence read brings its index there.
+        await new_store.begin_term(make(LeaderTermBegan(controller_id="c2", term=4)))
+        head = await new.head()
+        # The old leader's view of node/a is current, yet the server refuses it: single
+        # appends, batches and append_many alike.
+        with pytest.raises(Deposed, match="newer term"):
+            await old_store.append("node/a", [make(note("a", 1))], 1)
+        with pytest.raises(Deposed):
+            await old_store.append("node/b", [make(note("b", 1)), make(note("b", 2))], ANY)
+        beat = make(NodeHeartbeat(node_id="a", seq=1))
+        [outcome] = await old_store.append_many([("heartbeat/a", [beat], ANY)])
+        assert isinstance(outcome, Deposed)
+        assert await new.head() == head
+        assert old_lease.why and all("term 3" in why for why in old_lease.why)
+        # The new one goes on from where the old one left node/a.
+        assert await new_store.append("node/a", [make(note("a", 2))], 1) == [head + 1]
+        assert [e.version for e in await new.read_stream("node/a")] == [1, 2]
+        # With ANY the server checks no stream: the version written is the index's, which
+        # the fence read made exact.
+        await new_store.append("heartbeat/a", [make(NodeHeartbeat(node_id="a", seq=2))], ANY)
+        assert [e.version for e in await new.read_stream("heartbeat/a")] == [1, 2]
+        terms = [e.payload for e in await new.read_stream(TERMS_STREAM)]
+        assert terms == [
+            LeaderTermBegan(controller_id="c1", term=3),
+            LeaderTermBegan(controller_id="c2", term=4),
+        ]
+
+
+async def test_a_fenced_writer_still_checks_each_stream_version(options: JetStreamOptions) -> None:
+    make = EventMaker()
+    async with opened(options) as store:
+        leader = fenced(store, Lease(), term=1)
+        await leader.begin_term(make(LeaderTermBegan(controller_id="c1", term=1)))
+        await leader.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
+        with pytest.raises(ConcurrencyConflict):
+            await leader.append("node/a", [make(note("a", 1))], NO_STREAM)
+        retried = make(note("a", 2))
+        assert await leader.append("node/a", [retried], 1) == [3]
+        assert await leader.append("node/a", [retried], 1) == [3]  # a retry writes nothing
+        assert [e.version for e in await store.read_stream("node/a")] == [1, 2]
+
+
+async def test_an_older_term_cannot_record_itself_after_a_newer_one(
+    options: JetStreamOptions,
+) -> None:
+    make = EventMaker()
+    async with opened(options) as first, opened(options) as second:
+        await fenced(second, Lease(), term=7).begin_term(
+            make(LeaderTermBegan(controller_id="c2", term=7))
+        )
+        late = fenced(first, Lease(), term=6)
+        with pytest.raises(Deposed, match="c2 leads term 7"):
+            await late.begin_term(make(LeaderTermBegan(controller_id="c1", term=6)))
+        assert len(await first.read_stream(TERMS_STREAM)) == 1
+
+
+async def test_a_term_ended_and_begun_again_fences_on_the_new_record(
+    options: JetStreamOptions,
+) -> None:
+    """A controller that led, stood by while another led, and leads again: its second term
+    learns what the other wrote between, and fences on its new record."""
+    make = EventMaker()
+    async with opened(options) as a, opened(options) as b:
+        a_store = fenced(a, Lease(), term=1)
+        await a_store.begin_term(make(LeaderTermBegan(controller_id="a", term=1)))
+        await a_store.append("node/x", [make(NodeRegistered(node_id="x"))], NO_STREAM)
+        a_store.end_term()
+        b_store = fenced(b, Lease(), term=2)
+        await b_store.begin_term(make(LeaderTermBegan(controller_id="b", term=2)))
+        await b_store.append("node/x", [make(note("x", 1))], 1)
+        a_again = fenced(a, Lease(), term=3)
+        await a_again.begin_term(make(LeaderTermBegan(controller_id="a", term=3)))
+        assert await a_again.append("node/x", [make(note("x", 2))], 2) == [6]
+        with pytest.raises(TermEnded):  # b, still fenced on term 2
+            await b.append("node/y", [make(NodeRegistered(node_id="y"))], NO_STREAM)
+        b_store.end_term()  # standing by, it is a plain store again
+        assert await b.append("node/y", [make(NodeRegistered(node_id="y"))], NO_STREAM) == [7]
