@@ -202,6 +202,12 @@ def health_policy(args: argparse.Namespace) -> HealthPolicy:
 # -- the controller --------------------------------------------------------------------
 
 
+# A controller on the JetStream log keeps its fold here, with the position it applied: a restart
+# folds only what the log gained since (actors/controller_process.py). Not named by controller
+# id, which changes with each process by default.
+READ_MODEL_FILE = "controller-read-model.db"
+
+
 async def run_controller(args: argparse.Namespace) -> int:
     if getattr(args, "controller_command", None) == "status":
         return await controller_status(args)
@@ -231,13 +237,17 @@ async def run_controller(args: argparse.Namespace) -> int:
                 ),
                 log=args.event_log,
                 events_db=args.events_db,
+                read_model=(
+                    args.data_dir / READ_MODEL_FILE if args.event_log == "jetstream" else None
+                ),
             )
             log = structlog.get_logger("gpumesh.leadership")
             process = ControllerProcess(bus, LoopClock(), config, log=log)
             where = (
                 f"event log {args.events_db}"
                 if args.event_log == "sqlite"
-                else "event log on JetStream (GPUMESH_LOG)"
+                else "event log on JetStream (GPUMESH_LOG), read model "
+                f"{args.data_dir / READ_MODEL_FILE}"
             )
             print(
                 f"controller: NATS {url}, {where}; {controller_id} leads once it holds the "

@@ -7,7 +7,9 @@ Where the log lives decides how ready a standby is:
   the process opens the log once and folds it as it is written, leader or not. A standby's
   state is a fold of the log up to a moment ago, so taking over is catching up on what the
   old leader wrote since (milliseconds), not replaying the log. Controllers on different hosts
-  share nothing but NATS.
+  share nothing but NATS. Each keeps its fold in a local SQLite read model with the log
+  position it applied (`read_model`, written every few seconds: projections/projector.py), and
+  a restart folds only what the log gained since.
 - `sqlite` (the single-machine log, one file): a standby opens the file when it takes over and
   rebuilds from it, as a restarted controller does. Both controllers must then see the same
   file: the same machine, the same data directory.
@@ -30,6 +32,8 @@ from typing import Any, Literal, TypeVar
 from events.controller import LeaderTermBegan
 from events.errors import EventStoreError
 from events.store import EventStore
+from projections import FleetState
+from projections.projector import ReadModelError, load_checkpoint, save_checkpoint
 from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import Clock
 from runtime.errors import BusError
@@ -47,6 +51,7 @@ T = TypeVar("T")
 LogKind = Literal["sqlite", "jetstream"]
 LOG_KINDS: tuple[LogKind, ...] = ("sqlite", "jetstream")
 REPORT_EVERY_S = 1.0
+CHECKPOINT_EVERY_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +60,8 @@ class ProcessConfig:
     log: LogKind = "sqlite"
     events_db: Path = Path("events.db")
     timing: LeaseTiming = field(default_factory=LeaseTiming)
+    # jetstream only: the local read model and the position it applied (None: keep none)
+    read_model: Path | None = None
 
 
 class FencedCommands:
@@ -92,6 +99,7 @@ class ControllerProcess:
         self._log = log
         self._store: EventStore | None = None
         self._follower: asyncio.Task[None] | None = None
+        self._checkpointed = 0
 
     async def run(self) -> None:
         """Until cancelled: follow, campaign, lead, stand by again."""
@@ -102,8 +110,13 @@ class ControllerProcess:
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._report_loop(), name="roster")
                 tasks.create_task(self.leadership.run(self._lead), name="leadership")
+                if self.live is not None and self.config.read_model is not None:
+                    tasks.create_task(self._checkpoint_loop(), name="read-model")
         finally:
             await self._stop_following()
+            if self.live is not None and self.config.read_model is not None:
+                with contextlib.suppress(ReadModelError):
+                    await self._checkpoint()  # a clean stop restarts from right here
             if self._store is not None:
                 await self._store.close()
 
@@ -201,7 +214,8 @@ class ControllerProcess:
             attempt += 1
             try:
                 self._store = await self._open_jetstream()
-                self.live = LiveState(self._store)
+                restored = await self._restore(self._store)
+                self.live = LiveState(self._store, restored)
                 await self.live.catch_up()
             except EventStoreError as exc:
                 if self._store is not None:
@@ -210,8 +224,47 @@ class ControllerProcess:
                 self._say("log_unavailable", attempt=attempt, error=str(exc))
                 await asyncio.sleep(min(5.0, 0.5 * attempt))
                 continue
-            self._say("log_followed", position=self.live.position, attempts=attempt)
+            self._say(
+                "log_followed",
+                position=self.live.position,
+                from_read_model=restored.position if restored is not None else 0,
+                attempts=attempt,
+            )
             return
+
+    async def _restore(self, store: EventStore) -> FleetState | None:
+        """The read model's state, if it is one of this log: a checkpoint past the log's head
+        belongs to a log since deleted, and is folded again from the start."""
+        path = self.config.read_model
+        if path is None:
+            return None
+        try:
+            state = await load_checkpoint(path)
+        except ReadModelError as exc:
+            self._say("read_model_unreadable", error=str(exc))
+            return None
+        if state is None:
+            return None
+        head = await store.head()
+        if state.position > head:
+            self._say("read_model_ahead_of_log", read_model=state.position, head=head)
+            return None
+        return state
+
+    async def _checkpoint(self) -> None:
+        live = self.controller.live if self.controller is not None else self.live
+        path = self.config.read_model
+        if live is None or path is None or live.position == self._checkpointed:
+            return
+        self._checkpointed = await save_checkpoint(path, live.state)
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(CHECKPOINT_EVERY_S)
+            try:
+                await self._checkpoint()
+            except ReadModelError as exc:  # the log is untouched; said, and tried again
+                self._say("read_model_not_written", error=str(exc))
 
     async def _open_jetstream(self) -> EventStore:
         from events.jetstream_store import JetStreamEventStore, JetStreamOptions

@@ -103,6 +103,32 @@ class Projector:
         self.flushed_position = position
 
 
+async def load_checkpoint(path: Path) -> FleetState | None:
+    """The state a read model was last written with (its position inside), None if none."""
+    try:
+        row = await asyncio.to_thread(lambda: _read_checkpoint(path) if path.exists() else None)
+    except sqlite3.Error as exc:
+        raise ReadModelError(path, exc) from exc
+    return fleet.restore(row) if row is not None else None
+
+
+async def save_checkpoint(path: Path, state: FleetState) -> int:
+    """Write `state` as the read model and its checkpoint; returns the position written.
+
+    For a state that keeps changing while this runs (a controller's live state): it is
+    snapshot here, in the loop, and the thread writes a copy decoded from the snapshot."""
+    blob, position = fleet.snapshot(state), state.position
+
+    def write() -> None:
+        _write_checkpoint(path, blob, fleet.restore(blob))
+
+    try:
+        await asyncio.to_thread(write)
+    except sqlite3.Error as exc:
+        raise ReadModelError(path, exc) from exc
+    return position
+
+
 def _connect(path: Path) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode=WAL")

@@ -21,7 +21,9 @@ import pytest
 
 from events import TERMS_STREAM, LeaderTermBegan
 from events.jetstream_store import JetStreamEventStore, JetStreamOptions
+from actors.cli import READ_MODEL_FILE
 from gpumesh.cli import main
+from projections.projector import load_checkpoint
 from runtime.errors import BusError
 from tests.integration.stack import Stack, echo_spec, started_stack
 from tests.integration.test_failover_processes import serving
@@ -191,3 +193,26 @@ async def test_a_leader_paused_past_its_lease_writes_nothing_when_it_wakes(
     # The new leader goes on undisturbed: its term stands, and the fleet follows it.
     await serving(stack, 1)
     assert (await status(stack, capsys))["leader"] == "standby-1"
+
+
+@pytest.mark.timeout(120)
+async def test_a_controller_on_jetstream_restarts_from_its_read_model(js_stack: Stack) -> None:
+    """A clean stop writes the fold and its position to the local read model; the controller
+    started again on that data directory folds only what the log gained since."""
+    stack = js_stack
+    await stack.create_cluster(echo_spec(2))
+    await serving(stack, 2)
+    await stack.stop_controller()
+    saved = await load_checkpoint(stack.root / READ_MODEL_FILE)
+    assert saved is not None and saved.position > 0
+    assert "echo" in saved.clusters.clusters
+    await stack.start_controller()
+    await serving(stack, 2)
+    assert stack.controller is not None
+    [followed] = [
+        json.loads(line)
+        for line in stack.controller.log_path.read_text().splitlines()
+        if line.startswith("{") and '"log_followed"' in line
+    ]
+    assert followed["from_read_model"] == saved.position, followed
+    assert followed["position"] >= saved.position
