@@ -32,6 +32,7 @@ WRONG_LAST_SEQUENCE: Final = 10071
 BATCH_INCOMPLETE: Final = 10176
 BATCH_DUPLICATE_MSG_ID: Final = 10201
 STREAM_NOT_FOUND: Final = 10059
+NO_MESSAGE_FOUND: Final = 10037
 # Account or server storage exhausted, or the stream's own limit reached.
 _FULL_CODES: Final = frozenset({10023, 10028, 10047})
 _FULL_WORDS: Final = ("exceeded", "insufficient")
@@ -68,7 +69,17 @@ class _Purged(msgspec.Struct):
     error: ApiError | None = None
 
 
+class _StoredSeq(msgspec.Struct):
+    seq: int = 0
+
+
+class _MsgGot(msgspec.Struct):
+    message: _StoredSeq | None = None
+    error: ApiError | None = None
+
+
 _ack_decoder = msgspec.json.Decoder(PubAck)
+_msg_get_decoder = msgspec.json.Decoder(_MsgGot)
 _info_decoder = msgspec.json.Decoder(_StreamInfo)
 _purge_decoder = msgspec.json.Decoder(_Purged)
 _json = msgspec.json.Encoder()
@@ -255,6 +266,18 @@ class Api:
         if info.error is not None:
             raise api_failure(self.options, info.error)
         return info.state.last_seq, info.state.messages
+
+    async def last_on_subject(self, subject: str) -> int:
+        """The sequence of the subject's last message as the stream's leader has it (0 for
+        none): unlike a direct get, never answered by a copy that lags."""
+        request = _json.encode({"last_by_subj": subject})
+        data = await self._call(f"$JS.API.STREAM.MSG.GET.{self.options.stream}", request)
+        got = _msg_get_decoder.decode(data)
+        if got.error is not None:
+            if got.error.err_code == NO_MESSAGE_FOUND:
+                return 0
+            raise api_failure(self.options, got.error)
+        return got.message.seq if got.message is not None else 0
 
     async def purge(self, subject: str, below_seq: int) -> int:
         """Remove the subject's messages with a sequence below `below_seq`; how many went."""

@@ -64,6 +64,7 @@ _ATTEMPTS: Final = 8
 _BACKOFF_S: Final = 0.02
 _LEADERLESS_WAIT_S: Final = 0.1
 _UNBOUNDED: Final = 1 << 62
+_STALE_READS: Final = 50
 
 
 class Turn:
@@ -409,7 +410,29 @@ class Writer:
         of `events` if they turned out to be among them (a retry of an append whose
         acknowledgement was lost), else None."""
         subject = self._options.subject(stream)
-        for msg in await self._api.read(state.last_seq + 1, _UNBOUNDED, subject):
+        if self.fence is None:
+            # The server checks the stream on the next publish: a copy that lags costs a
+            # refusal and another read, never a wrong version.
+            msgs = await self._api.read(state.last_seq + 1, _UNBOUNDED, subject)
+        else:
+            # Nothing checks the stream but this index: read up to what the stream's leader
+            # holds (an append whose acknowledgement was lost may be there), from whichever
+            # copy answers, asked again until it has it.
+            last = await self._api.last_on_subject(subject)
+            msgs = []
+            for _ in range(_STALE_READS):
+                if last <= state.last_seq:
+                    break
+                msgs = await self._api.read(state.last_seq + 1, _UNBOUNDED, subject)
+                if msgs and sequence_of(msgs[-1]) >= last:
+                    break
+                await asyncio.sleep(_BACKOFF_S)
+            else:
+                raise StoreIOError(
+                    f"event store on NATS stream {self._options.stream}: no copy answered "
+                    f"{stream!r} up to {last}, which its leader holds"
+                )
+        for msg in msgs:
             self._index.learn(subject, sequence_of(msg), msg.headers or {})
         return self._index.already_stored(stream, events)
 

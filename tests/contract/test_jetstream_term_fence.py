@@ -148,3 +148,35 @@ async def test_a_term_ended_and_begun_again_fences_on_the_new_record(
             await b.append("node/y", [make(NodeRegistered(node_id="y"))], NO_STREAM)
         b_store.end_term()  # standing by, it is a plain store again
         assert await b.append("node/y", [make(NodeRegistered(node_id="y"))], NO_STREAM) == [7]
+
+
+async def test_a_fenced_writer_whose_acknowledgement_was_lost_reads_the_leader_first(
+    options: JetStreamOptions,
+) -> None:
+    """An append whose acknowledgement never came leaves its stream stale; with no stream check
+    on the server, the next append must learn what the stream's leader holds, even when the
+    copy that answers reads lags it."""
+    make = EventMaker()
+    async with opened(options) as store, opened(options) as other:
+        leader = fenced(store, Lease(), term=1)
+        await leader.begin_term(make(LeaderTermBegan(controller_id="c1", term=1)))
+        await leader.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
+        # What an append of its own whose answer was lost would have left on the server:
+        lost = make(note("a", 1))
+        await other.append("node/a", [lost], 1)
+        store._index.state("node/a").stale = True
+        reads = 0
+        real_read = store._api.read
+
+        async def lagging(start: int, limit: int, subject: str | None = None) -> list[object]:
+            nonlocal reads
+            reads += 1
+            if reads == 1:
+                return []
+            return await real_read(start, limit, subject)  # type: ignore[return-value]
+
+        store._api.read = lagging  # type: ignore[method-assign,assignment]
+        assert await leader.append("node/a", [lost], 1) == [3]  # found: a retry
+        assert await leader.append("node/a", [make(note("a", 2))], ANY) == [4]
+        assert reads == 2
+        assert [e.version for e in await other.read_stream("node/a")] == [1, 2, 3]
