@@ -148,9 +148,8 @@ async def check(stack: Stack, ledger: Ledger) -> dict[str, Any]:
             ok = bool(created)
         elif verb == "cluster.delete":
             ok = bool(kinds.get((stream, "cluster.deleted.v1")))
-        else:  # scaled to that count (or created at it: scaling to the same count records none)
+        else:  # scaled to that count (every scale records one, to the same count too)
             counts = {p.replicas for p in kinds.get((stream, "cluster.scaled.v1"), [])}
-            counts |= {p.spec.replicas for p in created}
             ok = replicas in counts
         missing += not ok
     if missing:
@@ -244,7 +243,11 @@ if __name__ == "__main__":
         help="high-availability shape: 3 nats-servers, 2 controllers on the JetStream log",
     )
     parser.add_argument("--clients", type=int, default=4, help="--ha: gateway clients")
-    parser.add_argument("--keep", help="--ha: keep the stack's files (logs) in this directory")
+    parser.add_argument(
+        "--keep",
+        help="--ha: keep the stack's files (logs) in this directory, with timeline.json (the "
+        "kills) and operations.json (every operation sent and its outcome, every cluster event)",
+    )
     add_quick(
         parser,
         " ".join(f"--{k} {v}" for k, v in QUICK.items())

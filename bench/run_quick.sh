@@ -31,9 +31,7 @@ QUICK=(
     "failover.py --classes controller-stop --clients 4"
     "gateway.py"
     "crashloop.py"
-    # "crashloop.py --ha": out of CI for now. Its check of operations "applied twice?" failed
-    # the last two CI runs (c1: 3, c3: 2 unexplained events, nothing lost); not yet explained
-    # (the closing note of 2026-11-25). Run it by hand: bench/crashloop.py --ha --quick.
+    "crashloop.py --ha"
     "soak.py"
 )
 
