@@ -104,6 +104,11 @@ class MemoryEventStore:
         return [e for e in history if e.version >= from_version]
 
     async def stream_version(self, stream: str) -> int:
+        return self.version_now(stream)
+
+    def version_now(self, stream: str) -> int:
+        """The synchronous core of stream_version (the simulator's term fence checks it in
+        the same step as the append it guards)."""
         self._check_open()
         history = self._streams.get(stream)
         return history[-1].version if history else 0

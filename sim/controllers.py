@@ -13,6 +13,9 @@ process that campaigns again as a standby.
 
 Every append that reaches the log is reported to the checker with the writer's term
 (`one_writer`): a term older than the newest term that has written must never write again.
+Each term begins with its record in `leadership/terms` and is fenced on it as the JetStream
+log fences it on the server: an append of a term whose record is no longer the last is refused
+whole (TermEnded) in the same step as the append, as the server checks it.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from actors.fenced_store import FencedStore, fenced
 from actors.leadership import Leadership
 from events import Envelope, MemoryEventStore
 from events.contract.messages import Command
+from events.controller import TERMS_STREAM, LeaderTermBegan
 from events.envelope import NewEvent
-from events.errors import EventStoreError
+from events.errors import EventStoreError, TermEnded
 from events.store import Snapshot
 from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import Env
@@ -81,15 +85,29 @@ class WriterTap:
         self.writer = writer
         self.term = term
         self.severed = False
+        self.fenced_on = 0  # the version of leadership/terms this term's record made; 0: none
 
     def _wrote(self) -> None:
         self._world.checker.on_append(self.writer, self.term, self._world.now())
+
+    async def fence(self, stream: str) -> int:
+        assert stream == TERMS_STREAM, stream
+        self.fenced_on = self.inner.version_now(stream)
+        return self.fenced_on
+
+    def unfence(self) -> None:
+        self.fenced_on = 0
+
+    def _check_term(self) -> None:
+        if self.fenced_on and self.inner.version_now(TERMS_STREAM) != self.fenced_on:
+            raise TermEnded(f"term {self.term}: a newer term is recorded in leadership/terms")
 
     async def append(
         self, stream: str, events: Sequence[NewEvent], expected_version: int
     ) -> list[int]:
         if self.severed:
             await _forever()
+        self._check_term()
         positions = await self.inner.append(stream, events, expected_version)
         self._wrote()
         return positions
@@ -99,6 +117,10 @@ class WriterTap:
     ) -> list[list[int] | EventStoreError]:
         if self.severed:
             await _forever()
+        try:
+            self._check_term()
+        except TermEnded as exc:
+            return [exc for _ in appends]
         results = await self.inner.append_many(appends)
         if any(not isinstance(r, EventStoreError) for r in results):
             self._wrote()
@@ -223,6 +245,12 @@ class Controllers:
         world.controller = controller
         self.first_leader.set()
         world.note(f"leader {process.name} (term {term})")
+        record = env.new_event(LeaderTermBegan(controller_id=process.name, term=term))
+        try:
+            await fence.begin_term(record)
+        except EventStoreError as exc:  # deposed already: the leadership ends the term
+            world.note(f"term {term} of {process.name} not begun: {exc}")
+            await _forever()
         await controller.run()
 
     def leader(self) -> ControllerProcess | None:

@@ -67,3 +67,11 @@ def plant_expiry_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(leadership.Leadership, "holds_lease", lambda self: True)
     monkeypatch.setattr(leadership, "_stop", left_running)
+
+
+def plant_no_term_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log that does not fence appends on the term record (as JetStream does on the server,
+    sim/controllers.py WriterTap): with a leader that ignores its expiry too, two terms write."""
+    from sim import controllers
+
+    monkeypatch.setattr(controllers.WriterTap, "_check_term", lambda self: None)

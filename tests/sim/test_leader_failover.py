@@ -19,7 +19,7 @@ from sim.lease import REQUEST_TIMEOUT_S, LeaseKey, SimLease
 from sim.loop import process_context
 from sim.run import SCENARIOS, run_scenario
 from sim.scenario import ClusterPlan, FaultPlan, Fleet, Scenario, from_mapping, load
-from tests.sim.planted_bugs import plant_expiry_ignored
+from tests.sim.planted_bugs import plant_expiry_ignored, plant_no_term_fence
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -141,10 +141,28 @@ def test_a_leader_woken_past_its_lease_writes_nothing_and_steps_down() -> None:
     assert sum(f.refused for f in paused.fences) >= 1, "it tried to write on waking"
 
 
-def test_one_writer_catches_a_leader_that_ignores_its_expiry(
+def test_the_term_fence_stops_a_leader_that_ignores_its_expiry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fence in the log holds where the one in the process failed: the woken leader's
+    appends are refused once its successor recorded its term."""
+    plant_expiry_ignored(monkeypatch)
+    result, world = run_scenario(
+        _ha(FaultPlan(at_s=20.0, kind="leader_pause", duration_s=6.0)), seed=2
+    )
+    assert result.violations == []
+    controllers = world.controllers
+    assert controllers is not None
+    led = _led(result.timeline)
+    paused = next(p for p in controllers.history if p.name == led[0][1])
+    assert sum(f.refused for f in paused.fences) >= 1, "its appends were refused"
+
+
+def test_one_writer_catches_a_leader_that_ignores_its_expiry_without_the_term_fence(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     plant_expiry_ignored(monkeypatch)
+    plant_no_term_fence(monkeypatch)
     result, _ = run_scenario(_ha(FaultPlan(at_s=20.0, kind="leader_pause", duration_s=6.0)), seed=2)
     assert "one_writer" in {v["invariant"] for v in result.violations}
 
