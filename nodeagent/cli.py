@@ -260,9 +260,13 @@ async def _open_driver(args: argparse.Namespace) -> Any:
         except DriverUnavailable as exc:
             raise _Unusable(str(exc)) from None
         return driver
+    from .workload.leftovers import Records, stop_leftovers
     from .workload.process import ProcessDriver
 
-    return ProcessDriver(log_dir)
+    data_dir = Path(getattr(args, "data_dir", None) or ".")
+    records = Records(data_dir / "workloads" / args.node_id)
+    await stop_leftovers(records)
+    return ProcessDriver(log_dir, records=records)
 
 
 async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driver: Any) -> int:

@@ -1,7 +1,8 @@
 """Run a replica as a local process group: the command from the spec, probed over HTTP.
 
 Each workload gets its own session (start_new_session), so a stop reaches the worker processes
-a model server forks, not only the one we spawned.
+a model server forks, not only the one we spawned. It dies with the agent, and what it forked
+is stopped by the agent's next run (leftovers.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import os
 import shlex
 import signal
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -19,6 +20,7 @@ import structlog
 from events.cluster import ClusterSpec
 
 from .base import WorkloadEnded, WorkloadStartError, gpu_ids, model_name, render_args
+from .leftovers import Records, die_with_parent
 from .ports import free_port
 from .probing import ProbeSettings, exit_within, wait_ready, watch
 
@@ -37,10 +39,12 @@ class ProcessDriver:
         *,
         probes: ProbeSettings | None = None,
         host: str = "127.0.0.1",
+        records: Records | None = None,
     ) -> None:
         self.log_dir = log_dir
         self.probes = probes if probes is not None else ProbeSettings()
         self.host = host  # where the probes reach the workload
+        self.records = records  # what is running, for the agent's next run (leftovers.py)
 
     def log_path(self, replica_id: str, epoch: int) -> Path:
         return self.log_dir / f"{replica_id}-{epoch}.log"
@@ -80,6 +84,7 @@ class ProcessDriver:
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         except OSError as exc:
             raise WorkloadStartError(f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
@@ -87,7 +92,17 @@ class ProcessDriver:
             log_file.close()  # the child holds its own copy of the descriptor
         _log.info("workload_launched", replica=replica_id, epoch=epoch, pid=proc.pid, port=port)
         url = f"http://{self.host}:{port}{spec.health_path}"
-        return ProcessWorkload(proc, port=port, url=url, probes=self.probes, log_path=log_path)
+        forget = None
+        if self.records is not None:
+            records = self.records
+            await asyncio.to_thread(records.write, replica_id, epoch, proc.pid, port)
+
+            def forget() -> None:
+                records.remove(replica_id, epoch)
+
+        return ProcessWorkload(
+            proc, port=port, url=url, probes=self.probes, log_path=log_path, on_gone=forget
+        )
 
 
 def _open_log(path: Path, argv: Sequence[str], ids: str) -> IO[bytes]:
@@ -110,7 +125,9 @@ class ProcessWorkload:
         url: str,
         probes: ProbeSettings,
         log_path: Path,
+        on_gone: Callable[[], None] | None = None,
     ) -> None:
+        self._on_gone = on_gone  # once the whole group has ended
         self._proc = proc
         self._port = port
         self.url = url
@@ -159,6 +176,8 @@ class ProcessWorkload:
             # No time left for grace: make sure nothing keeps holding the GPU.
             self._signal_group(signal.SIGKILL)
             raise
+        if self._on_gone is not None and not self._group_alive():
+            await asyncio.to_thread(self._on_gone)
         return WorkloadEnded("stopped", code)
 
     def _group_alive(self) -> bool:
