@@ -136,6 +136,11 @@ class Checker:
             # A leader that begins to hear (a new term, or back on NATS) detects nothing it
             # does not hear from until its grace is over: count it as up only from then.
             self.controller_up(at + payload.grace_s)
+        elif isinstance(payload, ControllerGrace):
+            # The same for the one controller, restarted (its restart already counted it up):
+            # a node that lost power while it was down, and is back before the grace ends,
+            # is rightly never declared offline (hypothesis found it: tests/sim/test_stateful).
+            self._blind(at, at + payload.grace_s)
         elif isinstance(payload, ReplicaReady):
             for pending in self._pending:
                 old = pending.replicas.get(payload.replica_id)
@@ -294,6 +299,15 @@ class Checker:
             return
         if term > self._newest_term:
             self._newest_term, self._newest_writer, self._newest_at = term, writer, at
+
+    def _blind(self, since: float, until: float) -> None:
+        """No detection possible in [since, until]: merged into the down intervals, so that
+        `_watched` never counts a moment twice."""
+        down = self._controller_down
+        if down and down[-1][1] >= since:
+            down[-1][1] = max(down[-1][1], until)
+        else:
+            down.append([since, until])
 
     def controller_up(self, at: float) -> None:
         if self._controller_down and self._controller_down[-1][1] == math.inf:
