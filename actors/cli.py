@@ -153,6 +153,17 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     nodes.add_argument("--json", action="store_true")
     nodes.add_argument("--drain", metavar="NODE", help="drain this node (replicas migrate)")
     nodes.set_defaults(handler=list_nodes)
+    node_verbs = nodes.add_subparsers(dest="node_command", metavar="SUBCOMMAND")
+    for verb, text in (
+        ("drain", "no new replicas on NODE; its replicas move once replacements are ready"),
+        ("undrain", "NODE takes new replicas again (it must be drained)"),
+        ("remove", "take an offline NODE out of the listings; its agent registering brings it "
+         "back (offline nodes are removed on their own after --remove-offline-after)"),
+    ):  # fmt: skip
+        sub = node_verbs.add_parser(verb, parents=common, help=text, description=text + ".")
+        sub.add_argument("node", metavar="NODE")
+        sub.add_argument("--json", action="store_true")
+        sub.set_defaults(handler=node_verb)
 
 
 def _health_args(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +198,14 @@ def _health_args(parser: argparse.ArgumentParser) -> None:
         default=d.thermal_low_c,
         help=f"recovered at or below this (default {d.thermal_low_c:g} C)",
     )
+    parser.add_argument(
+        "--remove-offline-after",
+        type=float,
+        default=d.remove_offline_after_s,
+        metavar="SECONDS",
+        help="remove a node offline this long from the fleet, recording why; 0 keeps it "
+        f"listed as offline (default {d.remove_offline_after_s:g} s, a day)",
+    )
 
 
 def health_policy(args: argparse.Namespace) -> HealthPolicy:
@@ -196,6 +215,9 @@ def health_policy(args: argparse.Namespace) -> HealthPolicy:
         offline_after=args.offline_after,
         thermal_high_c=args.thermal_high,
         thermal_low_c=args.thermal_low,
+        remove_offline_after_s=getattr(
+            args, "remove_offline_after", HealthPolicy.remove_offline_after_s
+        ),
     )
 
 
@@ -446,6 +468,15 @@ async def cluster_scale(args: argparse.Namespace) -> int:
 async def cluster_delete(args: argparse.Namespace) -> int:
     data = await call(args, "cluster.delete", {"name": args.name})
     return _emit(args, data, f"deleted cluster {args.name}")
+
+
+_NODE_VERB_DONE = {"drain": "draining", "undrain": "undrained", "remove": "removed"}
+
+
+async def node_verb(args: argparse.Namespace) -> int:
+    verb = args.node_command
+    data = await call(args, f"node.{verb}", {"node_id": args.node})
+    return _emit(args, data, f"{_NODE_VERB_DONE[verb]} {args.node}")
 
 
 async def list_nodes(args: argparse.Namespace) -> int:

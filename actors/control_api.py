@@ -18,10 +18,11 @@ from events.contract.messages import (
 )
 from events.errors import EventStoreError, StoreFull
 from projections import FleetState
+from projections.views import NodeView
 from runtime.env import Msg
 
 from .cluster_actor import ClusterError, Create, Delete, Scale
-from .node_actor import Drain
+from .node_actor import Drain, NotRemovable, Remove, Undrain
 from .spec import SpecError, from_mapping
 
 if TYPE_CHECKING:
@@ -43,6 +44,8 @@ class ControlApi:
             "cluster.delete": self._delete,
             "node.list": self._nodes,
             "node.drain": self._drain,
+            "node.undrain": self._undrain,
+            "node.remove": self._remove,
             "routing.get": self._routing,
             "events.list": self._events,
         }
@@ -54,7 +57,7 @@ class ControlApi:
             if handler is None:
                 raise ClusterError(f"unknown API verb {verb!r}")
             reply = ApiReply(ok=True, data=await handler(msg.data))
-        except (ClusterError, SpecError) as exc:
+        except (ClusterError, SpecError, NotRemovable) as exc:
             reply = ApiReply(ok=False, error=str(exc))
         except StoreFull as exc:
             # Reads go on; a write is refused whole (nothing of it was appended).
@@ -103,11 +106,32 @@ class ControlApi:
 
     async def _drain(self, body: bytes) -> Any:
         req = msgspec.json.decode(body, type=DrainRequest)
-        if req.node_id not in self.state.nodes.nodes:
-            raise ClusterError(f"unknown node {req.node_id!r}")
+        self._known_node(req.node_id)
         ref = await self.controller.node(req.node_id)
         await ref.ask(Drain("drained by operator"), timeout=30.0)
         return {"node_id": req.node_id, "drained": True}
+
+    async def _undrain(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=DrainRequest)
+        node = self._known_node(req.node_id)
+        if not node.drained:
+            raise ClusterError(f"node {req.node_id!r} is not drained")
+        ref = await self.controller.node(req.node_id)
+        await ref.ask(Undrain("undrained by operator"), timeout=30.0)
+        return {"node_id": req.node_id, "drained": False}
+
+    async def _remove(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=DrainRequest)
+        self._known_node(req.node_id)
+        ref = await self.controller.node(req.node_id)
+        await ref.ask(Remove("removed by operator"), timeout=30.0)
+        return {"node_id": req.node_id, "removed": True}
+
+    def _known_node(self, node_id: str) -> NodeView:
+        node = self.state.nodes.nodes.get(node_id)
+        if node is None:
+            raise ClusterError(f"unknown node {node_id!r}")
+        return node
 
     async def _routing(self, body: bytes) -> Any:
         return msgspec.json.decode(self.controller.routing_update())

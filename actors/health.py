@@ -23,6 +23,9 @@ class HealthPolicy:
     offline_after: int = 3  # missed heartbeats before the node is declared offline
     thermal_high_c: float = 85.0  # at or above: degraded
     thermal_low_c: float = 75.0  # at or below again: the thermal condition clears
+    # An offline node silent this long is removed from the fleet (NodeRemoved, with the
+    # reason); 0 keeps it listed as offline for ever.
+    remove_offline_after_s: float = 86_400.0
 
     @property
     def lease_s(self) -> float:

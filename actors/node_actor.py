@@ -22,6 +22,7 @@ from events import (
     NodeHealthChanged,
     NodeRegistered,
     NodeRemoved,
+    NodeUndrained,
     stream_name,
 )
 from events.contract.messages import Heartbeat, Register, RegisterReply
@@ -65,13 +66,31 @@ class Drain:
 
 
 @dataclass(frozen=True, slots=True)
+class Undrain:
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Remove:
+    """Take the node out of the fleet's listings: only an offline node (its replicas have
+    already moved); its agent registering again brings it back."""
+
+    reason: str = ""
+    asked: bool = True  # an operator's: a node not offline is an error to say, not to ignore
+
+
+class NotRemovable(Exception):
+    """The node is not offline: its replicas would have nowhere recorded to go."""
+
+
+@dataclass(frozen=True, slots=True)
 class LookFailed:
     """The silence look raised: crash this incarnation, as a failing task of its own would."""
 
     error: Exception
 
 
-NodeMsg = Beat | Join | CheckSilence | Drain | LookFailed
+NodeMsg = Beat | Join | CheckSilence | Drain | Undrain | Remove | LookFailed
 
 
 class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
@@ -137,6 +156,8 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                 state.reason = reason
             case NodeDrained():
                 state.drained = True
+            case NodeUndrained():
+                state.drained = False
             case NodeRemoved():
                 state.removed = True
             case _:
@@ -183,7 +204,15 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                 missed_heartbeats(now, self.last_seen, self.policy) >= self._limit
             ):
                 self._tell(ctx, CheckSilence())
-        if not self.state.registered or self.state.health == "offline":
+        if not self.state.registered or self.state.removed:
+            return now + interval
+        if self.state.health == "offline":
+            # Looked at each interval still: a heartbeat that brings it back must find the
+            # next silence watched from there.
+            retention = self.policy.remove_offline_after_s
+            if retention > 0 and now - self.last_seen >= retention:
+                reason = f"offline for over {retention:g} s (--remove-offline-after)"
+                self._tell(ctx, Remove(reason, asked=False))
             return now + interval
         limit = self.policy.offline_after
         if not self.suspect_logged:
@@ -225,6 +254,24 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                         ctx, [NodeDrained(node_id=self.node_id, reason=reason)]
                     )
                 return []
+            case Undrain(reason=reason):
+                if self.state.drained:
+                    return await self.persist(
+                        ctx, [NodeUndrained(node_id=self.node_id, reason=reason)]
+                    )
+                return []
+            case Remove(reason=reason, asked=asked):
+                if self.state.removed or not self.state.registered:
+                    return []
+                if self.state.health != "offline":
+                    if not asked:
+                        return []  # heard from again since the retention look
+                    raise NotRemovable(
+                        f"node {self.node_id} is {self.state.health}, not offline: stop its "
+                        "agent (or drain it and wait for its replicas to move) first"
+                    )
+                ctx.log.info("node_removed", reason=reason)
+                return await self.persist(ctx, [NodeRemoved(node_id=self.node_id, reason=reason)])
 
     async def _on_register(self, ctx: ActorContext[NodeMsg], reg: Register) -> RegisterReply:
         self._grace_from = max(self._grace_from, ctx.env.clock.monotonic())

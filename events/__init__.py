@@ -49,6 +49,7 @@ from .node import (
     NodeHeartbeat as NodeHeartbeat,
     NodeRegistered as NodeRegistered,
     NodeRemoved as NodeRemoved,
+    NodeUndrained as NodeUndrained,
 )
 from .replica import (
     Candidate as Candidate,

@@ -16,7 +16,14 @@ from .cluster import (
 from .controller import TERMS_STREAM, ControllerGrace, LeaderTermBegan
 from .errors import InvalidAppend
 from .ids import valid_id
-from .node import NodeDrained, NodeHealthChanged, NodeHeartbeat, NodeRegistered, NodeRemoved
+from .node import (
+    NodeDrained,
+    NodeHealthChanged,
+    NodeHeartbeat,
+    NodeRegistered,
+    NodeRemoved,
+    NodeUndrained,
+)
 from .replica import (
     ReplicaFailed,
     ReplicaPlaced,
@@ -28,7 +35,7 @@ from .replica import (
 )
 
 NodeEvent: TypeAlias = (
-    NodeRegistered | NodeHeartbeat | NodeHealthChanged | NodeDrained | NodeRemoved
+    NodeRegistered | NodeHeartbeat | NodeHealthChanged | NodeDrained | NodeUndrained | NodeRemoved
 )
 ClusterEvent: TypeAlias = (
     ClusterCreated | ClusterSpecChanged | ClusterScaled | ClusterDeleted | ClusterUnschedulable
@@ -50,6 +57,7 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     NodeHeartbeat,
     NodeHealthChanged,
     NodeDrained,
+    NodeUndrained,
     NodeRemoved,
     ClusterCreated,
     ClusterSpecChanged,
@@ -69,7 +77,7 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
 
 HEARTBEAT_TYPE = "node.heartbeat.v1"
 
-_NODE_TYPES = (NodeRegistered, NodeHealthChanged, NodeDrained, NodeRemoved)
+_NODE_TYPES = (NodeRegistered, NodeHealthChanged, NodeDrained, NodeUndrained, NodeRemoved)
 # Heartbeats have a stream of their own beside `node/<id>`: the controller records them in
 # batches, one append for many nodes, without taking a turn in each NodeActor's mailbox, and
 # the NodeActor, which owns `node/<id>` and its decisions, never races those appends.

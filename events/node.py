@@ -89,6 +89,15 @@ class NodeDrained(
     reason: str = ""
 
 
+class NodeUndrained(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.undrained.v1"
+):
+    """The node takes new replicas again (a drain taken back by the operator)."""
+
+    node_id: str
+    reason: str = ""
+
+
 class NodeRemoved(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.removed.v1"
 ):

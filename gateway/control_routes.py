@@ -13,6 +13,8 @@ its own and works with any controller that answers on NATS.
     DELETE /clusters/{name}       cluster.delete                                   -> 200
     GET    /nodes                 node.list                                        -> 200
     POST   /nodes/{id}/drain      node.drain                                       -> 200
+    POST   /nodes/{id}/undrain    node.undrain     (409 if it is not drained)      -> 200
+    DELETE /nodes/{id}            node.remove      (409 unless it is offline)      -> 200
     GET    /events                events.list      ?after=&limit=&heartbeats=0|1   -> 200
     GET    /events/stream         Server-Sent Events: the log from `after`, then live
 
@@ -30,7 +32,8 @@ only when one input is to blame: a JSON path (`$.replicas`) for a body, the para
     404 not_found                an unknown cluster or node, or no such route
     405 method_not_allowed
     408 request_timeout          the body did not arrive within `body_timeout` (slow client)
-    409 conflict                 the controller says it already exists
+    409 conflict                 the controller says it already exists, or the node is
+                                 not in the state the verb needs (undrain, remove)
     502 bad_reply                the controller's reply could not be decoded
     503 controller_unavailable   no controller subscribed (NoResponders; with Retry-After: 2),
                                  or the bus failed
@@ -63,6 +66,9 @@ MAX_EVENTS_LIMIT: Final = 1000  # the controller's bound on events.list `limit`
 STREAM_PAGE: Final = 500  # events per events.list call while a stream catches up
 
 _JSON: Final = "application/json"
+# What the controller says when a node is not in the state a verb needs (actors/control_api.py,
+# actors/node_actor.py NotRemovable).
+_STATE_CONFLICTS: Final = ("node ",)
 _STATUS_TYPES: Final = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 DEFAULT_BODY_TIMEOUT_S: Final = 30.0
 # "gpu.count: must be 1..16" -> "gpu.count"; "unknown cluster 'x' (known: a)" does not match.
@@ -187,7 +193,7 @@ def refused(error: str) -> ControlError:
     """An ApiReply with ok=false, as the status it deserves."""
     if error.startswith(("unknown cluster", "unknown node")):
         return ControlError(404, "not_found", error)
-    if "already exists" in error:
+    if "already exists" in error or error.startswith(_STATE_CONFLICTS):
         return ControlError(409, "conflict", error)
     return invalid(error, body_field(error))
 
@@ -267,6 +273,8 @@ def control_app(
     app.router.add_delete("/clusters/{name}", api.delete_cluster)
     app.router.add_get("/nodes", api.list_nodes)
     app.router.add_post("/nodes/{node_id}/drain", api.drain_node)
+    app.router.add_post("/nodes/{node_id}/undrain", api.undrain_node)
+    app.router.add_delete("/nodes/{node_id}", api.remove_node)
     app.router.add_get("/events", api.list_events)
     app.router.add_get("/events/stream", api.stream_events)
     return app
@@ -407,6 +415,12 @@ class _ControlApi:
 
     async def drain_node(self, request: web.Request) -> web.Response:
         return _ok(await self.call("node.drain", {"node_id": request.match_info["node_id"]}))
+
+    async def undrain_node(self, request: web.Request) -> web.Response:
+        return _ok(await self.call("node.undrain", {"node_id": request.match_info["node_id"]}))
+
+    async def remove_node(self, request: web.Request) -> web.Response:
+        return _ok(await self.call("node.remove", {"node_id": request.match_info["node_id"]}))
 
     # -- events ---------------------------------------------------------------------------
 

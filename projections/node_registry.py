@@ -13,6 +13,7 @@ from events import (
     NodeHeartbeat,
     NodeRegistered,
     NodeRemoved,
+    NodeUndrained,
 )
 
 from .views import NodeRegistry, NodeView
@@ -65,6 +66,11 @@ def apply(state: NodeRegistry, envelope: Envelope) -> NodeRegistry:
             view = state.nodes.get(drained.node_id)
             if view is not None:
                 view.drained = True
+                view.version = envelope.version
+        case NodeUndrained() as undrained:
+            view = state.nodes.get(undrained.node_id)
+            if view is not None:
+                view.drained = False
                 view.version = envelope.version
         case NodeRemoved() as removed:
             state.nodes.pop(removed.node_id, None)

@@ -60,6 +60,8 @@ API_VERBS = (
     "cluster.delete",
     "node.list",
     "node.drain",
+    "node.undrain",
+    "node.remove",
     "routing.get",
     "events.list",
 )

@@ -134,3 +134,24 @@ async def test_cluster_verbs_end_to_end(
         assert await cli("cluster", "delete", "echo") == (0, "deleted cluster echo\n", "")
         await cli.until(lambda c: c == [], "cluster", "list", within=20, why="deleted again")
         assert await cli("cluster", "list") == (0, "no clusters\n", "")
+
+
+async def test_node_verbs_end_to_end(
+    tmp_path: Path, nats_server_binary: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with Stack(tmp_path / "stack", agents=1, nats_binary=nats_server_binary) as stack:
+        cli = Cli(stack, capsys)
+        await cli.until(lambda ns: len(ns) == 1, "nodes", within=20, why="node-0 registered")
+        code, out, err = await cli("nodes", "undrain", "node-0")
+        assert code == 1 and out == "" and err.count("\n") == 1 and "not drained" in err
+        assert await cli("nodes", "drain", "node-0") == (0, "draining node-0\n", "")
+        [node] = await cli.json("nodes")
+        assert node["drained"] is True
+        assert await cli.json("nodes", "undrain", "node-0") == {
+            "node_id": "node-0",
+            "drained": False,
+        }
+        code, out, err = await cli("nodes", "remove", "node-0")
+        assert code == 1 and "healthy, not offline" in err and err.count("\n") == 1
+        code, _, err = await cli("nodes", "remove", "nope")
+        assert code == 1 and "unknown node 'nope'" in err
