@@ -34,6 +34,8 @@ from .health import HealthPolicy, evaluate
 # Heartbeats waiting for a commit. The intake limiter bounds each node's rate, so this fills
 # only when the store stops taking writes; past it heartbeats are dropped, and counted.
 MAX_PENDING = 100_000
+# Stream versions asked of the store at once, for nodes first heard since the start.
+_VERSION_READS = 256
 
 # kind, how many heartbeats, a detail for the log.
 LossReport = Callable[[str, int, str], None]
@@ -106,16 +108,24 @@ class HeartbeatRecorder:
         self._env = env
         self._lost = lost
         self._max_pending = max_pending
-        self._pending: list[Heartbeat] = []
+        # node id -> its heartbeats waiting, oldest first; nodes in the order they came in
+        self._pending: dict[str, list[Heartbeat]] = {}
+        self._count = 0  # heartbeats in `_pending`
         self._wake = asyncio.Event()
+        self._streams: dict[str, str] = {}  # node id -> its heartbeat stream (checked once)
         self._versions: dict[str, int] = {}  # heartbeat stream -> its version, as we wrote it
         self.recorded = 0
 
     def offer(self, hb: Heartbeat) -> bool:
         """Queue a heartbeat for the next commit; False when the backlog is full."""
-        if len(self._pending) >= self._max_pending:
+        if self._count >= self._max_pending:
             return False
-        self._pending.append(hb)
+        beats = self._pending.get(hb.node_id)
+        if beats is None:
+            self._pending[hb.node_id] = [hb]
+        else:
+            beats.append(hb)
+        self._count += 1
         self._wake.set()
         return True
 
@@ -129,34 +139,72 @@ class HeartbeatRecorder:
     async def record_pending(self) -> None:
         """Record everything offered so far, including what arrives while it writes."""
         while self._pending:
-            batch, self._pending = self._pending, []
-            await self._record(batch)
+            await self._record(self._turn())
 
-    async def _record(self, batch: list[Heartbeat]) -> None:
+    def _turn(self) -> list[Heartbeat]:
+        """The oldest heartbeat of each node waiting. One event per stream per append: an
+        append of one event is a single conditional publish on JetStream, a turn's all in
+        flight together, where an append of several is an atomic batch, of which the server
+        takes at most 50 in flight on the whole log. A node's second heartbeat in one turn
+        (only a store slower than the node's interval makes one) waits one commit instead of
+        making the whole turn slow."""
+        pending = self._pending
+        turn: list[Heartbeat] = []
+        emptied: list[str] = []
+        for node_id, beats in pending.items():
+            turn.append(beats.pop(0))
+            if not beats:
+                emptied.append(node_id)
+        if len(emptied) == len(pending):
+            pending.clear()
+        else:
+            for node_id in emptied:
+                del pending[node_id]
+        self._count -= len(turn)
+        return turn
+
+    async def _record(self, turn: list[Heartbeat]) -> None:
         env = self._env
-        by_stream: dict[str, list[NewEvent]] = {}  # insertion order: the order they came in
-        for hb in batch:
-            stream = stream_name("heartbeat", hb.node_id)
-            by_stream.setdefault(stream, []).append(env.new_event(heartbeat_event(hb)))
+        streams = self._streams
+        appends: list[tuple[str, list[NewEvent], int]] = []
         versions = self._versions
         try:
-            for stream in by_stream:
-                if stream not in versions:  # first heartbeat since this controller started
-                    versions[stream] = await env.store.stream_version(stream)
-            results = await env.store.append_many(
-                [(stream, events, versions[stream]) for stream, events in by_stream.items()]
-            )
+            for hb in turn:
+                stream = streams.get(hb.node_id)
+                if stream is None:
+                    stream = streams[hb.node_id] = stream_name("heartbeat", hb.node_id)
+                appends.append((stream, [env.new_event(heartbeat_event(hb))], 0))
+            missing = [stream for stream, _, _ in appends if stream not in versions]
+            if missing:  # first heartbeats since this controller started: ask side by side
+                await self._learn_versions(missing)
+            appends = [(stream, events, versions[stream]) for stream, events, _ in appends]
+            results = await env.store.append_many(appends)
         except EventStoreError as exc:
-            self._lost("store_error", len(batch), str(exc))
+            self._lost("store_error", len(turn), str(exc))
             return
-        for (stream, events), result in zip(by_stream.items(), results, strict=True):
+        for (stream, _, _), result in zip(appends, results, strict=True):
             if isinstance(result, list):
-                versions[stream] += len(events)
-                self.recorded += len(events)
+                versions[stream] += 1
+                self.recorded += 1
             elif isinstance(result, ConcurrencyConflict):
-                # Someone else wrote this stream: go on from where it is now. These heartbeats
-                # are lost; the node's next one, a heartbeat interval away, is recorded.
+                # Someone else wrote this stream: go on from where it is now. This heartbeat
+                # is lost; the node's next one, a heartbeat interval away, is recorded.
                 versions[stream] = result.actual
-                self._lost("conflict", len(events), str(result))
+                self._lost("conflict", 1, str(result))
             else:
-                self._lost("store_error", len(events), str(result))
+                self._lost("store_error", 1, str(result))
+
+    async def _learn_versions(self, streams: list[str]) -> None:
+        """Each stream's version from the store, `_VERSION_READS` reads in flight at a time:
+        one after another, a controller starting under a fleet's heartbeats spent a store
+        round trip per node (2,000 on JetStream R3: seconds) before its first append."""
+        store = self._env.store
+        for start in range(0, len(streams), _VERSION_READS):
+            chunk = streams[start : start + _VERSION_READS]
+            found = await asyncio.gather(
+                *(store.stream_version(stream) for stream in chunk), return_exceptions=True
+            )
+            for stream, version in zip(chunk, found, strict=True):
+                if isinstance(version, BaseException):
+                    raise version
+                self._versions[stream] = version
