@@ -1,48 +1,69 @@
-"""Subscriptions: an ordered push consumer per subscriber, from a stream sequence on.
+"""Subscriptions: a subscriber takes this store's own appends from its tail (tail.py) and reads
+everything else from the server, in position order, with no gap and no duplicate.
 
-JetStream delivers in sequence order and nats-py's ordered consumer starts again after the
-last sequence it delivered when it sees a gap in its own delivery sequence or misses two idle
-heartbeats: no gap, no duplicate, and it follows every writer of the stream, not only this
-store object. A page ends where the consumer says nothing more is pending, so the messages of
-one atomic batch (committed all at once) come out in one page, as `subscribe_batches` wants.
+Each subscriber keeps the next position it wants and asks, in turn:
+
+- the tail, which holds what this store appended, as acknowledged: no message to receive and
+  decode, which is what a leader's subscribers (the live state, the outbox) mostly want;
+- the server (batch direct gets, store.py `_read`) when the position is not in the tail and
+  this store knows the log reaches it (a higher position acknowledged, or seen at open):
+  another writer's message, one whose acknowledgement never came, one compacted away, a
+  subscriber behind the tail. It reads only up to the next position the tail holds;
+- the server again, for another writer's appends past everything this store knows (a
+  standby following the leader): after a wait of `_POLL_MIN_S`, then less often while
+  nothing comes, up to `_POLL_MAX_S` apart; a full page is followed by the next at once.
+  Not while this store's own appends await their acknowledgements: they would be read back
+  and decoded before their acknowledgements put them in the tail, and the acknowledgements
+  show whether another writer came in between (the position is then below what is known).
+
+A page is what one of the two gave at once, at most `page` events: an atomic batch is
+acknowledged, and so enters the tail, all at once, and one page holds it (a read from the
+server stops at the page's size, as a catch-up must).
+
+An ordered push consumer per subscriber did this before: every message came back over the
+connection and was parsed and decoded by each subscriber, which at 2,000-20,000 heartbeats/s
+cost the controller more than appending them (docs/performance.md, JetStream store).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Final
-
-import nats.errors
-from nats.aio.msg import Msg
-from nats.js.api import ConsumerConfig, DeliverPolicy
-from nats.js.client import JetStreamContext
 
 from events.envelope import Envelope
 
-from . import messages as m
-from .jsapi import Api, translated
+from .tail import Tail
 
-# How long a page waits for a message the consumer said was pending. Only a compaction that
-# deletes pending messages makes it wait this long; the page then ends with what it has.
-_STRAGGLER_S: Final = 1.0
+_POLL_MIN_S: Final = 0.01
+_POLL_MAX_S: Final = 0.1
 _LAST_SEQ: Final = (1 << 63) - 1
+
+ServerRead = Callable[[int, int], Awaitable[list[Envelope]]]
 
 
 class Followers:
-    def __init__(self, api: Api) -> None:
-        self._api = api
-        self._queues: set[asyncio.Queue[Msg | None]] = set()
+    def __init__(
+        self,
+        tail: Tail,
+        read: ServerRead,
+        known: Callable[[], int],
+        writing: Callable[[], bool],
+    ) -> None:
+        """`read(start, limit)`: from the server; `known()`: the highest position this store
+        has seen acknowledged; `writing()`: whether it has appends awaiting acknowledgement."""
+        self._tail = tail
+        self._read = read
+        self._known = known
+        self._writing = writing
         self.closed = False
 
     def close(self) -> None:
         self.closed = True
-        for queue in self._queues:
-            # A full queue has a subscriber busy with it, which checks `closed` before it
-            # waits again.
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(None)
+        self._tail.wake()
+
+    def _closed_meanwhile(self) -> bool:
+        return self.closed
 
     async def envelopes(self, from_position: int) -> AsyncGenerator[Envelope, None]:
         async with contextlib.aclosing(self.pages(from_position)) as pages:
@@ -54,68 +75,35 @@ class Followers:
         self, from_position: int, page: int = 1000
     ) -> AsyncGenerator[list[Envelope], None]:
         """Ends quietly when the store closes."""
-        if self.closed:
-            return
-        queue: asyncio.Queue[Msg | None] = asyncio.Queue(maxsize=2 * page)
-        self._queues.add(queue)
-        sub = None
-        try:
-            sub = await self._subscribe(queue, min(max(1, from_position), _LAST_SEQ))
-            while (batch := await self._take(queue, page)) is not None:
-                yield [self._envelope(msg) for msg in batch]
-        finally:
-            self._queues.discard(queue)
-            if sub is not None:
-                with contextlib.suppress(nats.errors.Error, OSError):
-                    await sub.unsubscribe()
-
-    async def _subscribe(
-        self, queue: asyncio.Queue[Msg | None], start: int
-    ) -> JetStreamContext.PushSubscription:
-        options = self._api.options
-
-        async def take(msg: Msg) -> None:
-            # Waits when the subscriber lags: nats-py then stops answering the server's flow
-            # control, and the server stops sending. Memory stays bounded.
-            await queue.put(msg)
-
-        js = self._api.nc.jetstream(timeout=options.request_timeout_s)
-        with translated(options):
-            return await js.subscribe(
-                options.filter,
-                stream=options.stream,
-                cb=take,
-                ordered_consumer=True,
-                config=ConsumerConfig(
-                    deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                    opt_start_seq=start,
-                    mem_storage=True,
-                ),
-            )
-
-    async def _take(self, queue: asyncio.Queue[Msg | None], page: int) -> list[Msg] | None:
-        if self.closed:
-            return None
-        msg = await queue.get()
-        if msg is None or self.closed:
-            return None
-        batch = [msg]
-        while len(batch) < page:
-            if not queue.empty():
-                msg = queue.get_nowait()
-            elif msg.metadata.num_pending == 0:
-                break
-            else:
-                try:
-                    async with asyncio.timeout(_STRAGGLER_S):
-                        msg = await queue.get()
-                except TimeoutError:
-                    break
-            if msg is None:
-                break
-            batch.append(msg)
-        return batch
-
-    def _envelope(self, msg: Msg) -> Envelope:
-        stream = self._api.options.stream_of(msg.subject)
-        return m.envelope(stream, msg.metadata.sequence.stream, msg.headers or {}, msg.data)
+        position = min(max(1, from_position), _LAST_SEQ)
+        tail = self._tail
+        poll = _POLL_MIN_S
+        ask_server = True  # at first, after a full page from the server, after a wait
+        while not self.closed:
+            batch = tail.page(position, page)
+            from_tail = bool(batch)
+            if not batch:
+                known = self._known()
+                if position <= known:
+                    # Not this store's, or not remembered: read up to the next it holds.
+                    batch = await self._read(position, tail.gap(position, known, page))
+                elif ask_server and not self._writing():
+                    batch = await self._read(position, page)
+                if self._closed_meanwhile():
+                    return
+            if batch:
+                yield batch
+                position = batch[-1].position + 1
+                poll = _POLL_MIN_S
+                ask_server = not from_tail and len(batch) == page  # the server may have more
+                continue
+            if ask_server:
+                poll = min(2 * poll, _POLL_MAX_S)  # the server had nothing: ask less often
+            known = self._known()
+            await tail.wait(poll)
+            # Woken by an append of this store's own: the tail has it, or a position below
+            # it is another writer's (position <= known then). Otherwise the time was up: ask
+            # the server, unless appends of this store's own are on their way, which would be
+            # read back and decoded before their acknowledgements put them in the tail; the
+            # next of those acknowledgements tells whether another writer came in between.
+            ask_server = self._known() == known

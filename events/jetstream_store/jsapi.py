@@ -331,6 +331,10 @@ class Api:
         except (nats.errors.Error, OSError) as exc:
             raise _transport_failure(self.options, exc) from exc
 
+    def awaiting_acks(self) -> bool:
+        """Whether publishes of this store await their acknowledgements."""
+        return bool(self._acks)
+
     async def acked(self, sent: Sent) -> PubAck:
         """Wait for a publish's acknowledgement; JetStream's refusals come back in `error`,
         for the writer to act on."""

@@ -28,6 +28,7 @@ from .follow import Followers
 from .index import Beat, LogIndex, StreamState
 from .jsapi import Api, sequence_of, subject_of, translated
 from .options import MAX_BATCH, JetStreamOptions
+from .tail import Tail
 from .writer import Writer
 
 _LAST_SEQ: Final = (1 << 63) - 1
@@ -54,8 +55,11 @@ class JetStreamEventStore:
         self._owns_connection = owns_connection
         self._api = Api(nc, options)
         self._index = LogIndex(options)
-        self._writer = Writer(self._api, self._index)
-        self._followers = Followers(self._api)
+        self._tail = Tail()
+        self._writer = Writer(self._api, self._index, self._tail)
+        self._followers = Followers(
+            self._tail, self._read_envelopes, self._known, self._api.awaiting_acks
+        )
         self._snapshots: KeyValue | None = None
         self._closed = False
 
@@ -193,6 +197,7 @@ class JetStreamEventStore:
         gone = {b.seq for b in doomed}
         state.beats = [b for b in beats if b.seq not in gone]
         self._index.forget(doomed, stream)
+        self._tail.forget(list(gone))
         return removed
 
     async def save_snapshot(self, snapshot: Snapshot) -> None:
@@ -248,8 +253,15 @@ class JetStreamEventStore:
         start = max(1, from_position)
         if limit < 1 or start > _LAST_SEQ:
             return []
+        return await self._read_envelopes(start, limit)
+
+    async def _read_envelopes(self, start: int, limit: int) -> list[Envelope]:
         msgs = await self._read(start, min(limit, _UNBOUNDED), None, self._writer.acked_max)
         return [self._envelope(msg) for msg in msgs]
+
+    def _known(self) -> int:
+        """The highest position this store knows to be in the log."""
+        return max(self._writer.acked_max, self._index.learned_through)
 
     async def read_for_rebuild(self, from_position: int = 1, limit: int = 1000) -> list[Envelope]:
         """See events.store.RebuildReader. The index knows every stream's last sequence, so a

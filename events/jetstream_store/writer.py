@@ -59,6 +59,7 @@ from .jsapi import (
     sequence_of,
     subject_of,
 )
+from .tail import Tail
 
 _ATTEMPTS: Final = 8
 _BACKOFF_S: Final = 0.02
@@ -120,9 +121,10 @@ class Turns:
 
 
 class Writer:
-    def __init__(self, api: Api, index: LogIndex) -> None:
+    def __init__(self, api: Api, index: LogIndex, tail: Tail) -> None:
         self._api = api
         self._index = index
+        self._tail = tail
         self._options = api.options
         self._batch_slots = asyncio.Semaphore(api.options.max_inflight_batches)
         self._batches = 0
@@ -292,6 +294,8 @@ class Writer:
                     continue
             if ack.error is None and not ack.duplicate:
                 positions = list(range(ack.seq - len(events) + 1, ack.seq + 1))
+                # The versions its messages carry (the stream's lock is held since the send).
+                self._tail.remember(stream, events, positions, state.version + 1)
                 self._index.record(stream, events, positions)
                 self.acked_max = max(self.acked_max, ack.seq)
                 return positions
