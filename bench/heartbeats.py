@@ -203,18 +203,25 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 assert gen.stdout is not None
                 await gen.stdout.readline()  # registration done: the load begins
                 load_started = time.perf_counter()
+                spy = await _py_spy(args.py_spy, args.seconds)
                 out = await gen.stdout.read()
                 await gen.wait()
                 load_ended = time.perf_counter()
                 generated = json.loads(out)
                 sent = generated["sent"]
                 generator_cpu = _children_cpu()
+                if spy is not None:
+                    await spy.wait()
                 # Let the tail drain, up to 10 s.
                 deadline = time.perf_counter() + 10
                 while counted < sent and time.perf_counter() < deadline:  # noqa: ASYNC110
                     await asyncio.sleep(0.1)
                 cpu = time.process_time() - cpu0
-                nats_cpu = _process_cpu(server_pid)
+                if server_pid is not None:
+                    nats_cpu = _process_cpu(server_pid)
+                else:  # the three servers of the cluster, children of this process
+                    found = [_process_cpu(pid) for pid in _nats_children()]
+                    nats_cpu = sum(c for c in found if c is not None) if found else None
                 ctl.cancel()
                 obs.cancel()
             await store.close()
@@ -254,9 +261,44 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def _py_spy(out: str | None, seconds: float) -> asyncio.subprocess.Process | None:
+    """py-spy sampling this process during the load only (raw collapsed stacks to `out`)."""
+    if not out:
+        return None
+    spy = Path(sys.executable).with_name("py-spy")
+    return await asyncio.create_subprocess_exec(
+        str(spy),
+        "record",
+        "--pid",
+        str(os.getpid()),
+        "--duration",
+        str(int(seconds)),
+        "--rate",
+        "250",
+        "--format",
+        "raw",
+        "--output",
+        out,
+        "--nonblocking",
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def _nats_children() -> list[int]:
+    """The nats-server processes this one started (Linux only)."""
+    pids: list[int] = []
+    for children in Path("/proc/self/task").glob("*/children"):
+        for pid in children.read_text().split():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "nats-server":
+                    pids.append(int(pid))
+    return pids
 
 
 def _process_cpu(pid: int | None) -> float | None:
@@ -297,6 +339,12 @@ def main() -> int:
     parser.add_argument("--leases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--generator", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--py-spy",
+        metavar="OUT",
+        help="sample this process with py-spy during the load only (not the registration), "
+        "collapsed stacks to OUT; needs `.venv/bin/pip install py-spy`",
+    )
     args = parser.parse_args()
     if args.generator:
         asyncio.run(generate(args.url, args.nodes, args.rate, args.seconds, args.leases))
