@@ -216,7 +216,7 @@ def health_policy(args: argparse.Namespace) -> HealthPolicy:
         thermal_high_c=args.thermal_high,
         thermal_low_c=args.thermal_low,
         remove_offline_after_s=getattr(
-            args, "remove_offline_after", HealthPolicy.remove_offline_after_s
+            args, "remove_offline_after", HealthPolicy().remove_offline_after_s
         ),
     )
 

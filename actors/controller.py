@@ -23,6 +23,8 @@ from events.contract.messages import (
     Command,
     Heartbeat,
     HeartbeatAck,
+    Leaving,
+    LeavingReply,
     Register,
     RegisterReply,
     ReplicaLease,
@@ -44,7 +46,7 @@ from .health import HealthPolicy
 from .heartbeat_recorder import HeartbeatRecorder, NodeLiveness
 from .intake_limit import IntakeLimiter
 from .live_state import LiveState
-from .node_actor import Beat, Join, NodeActor, NodeMsg
+from .node_actor import Beat, Drain, Join, NodeActor, NodeMsg
 from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report, Suspect
 from .silence_watch import SilenceWatch
 
@@ -195,6 +197,7 @@ class Controller:
                 (subjects.HEARTBEAT_ALL, self._on_heartbeat),
                 (subjects.REGISTER_ALL, self._on_register),
                 (subjects.REPORT_ALL, self._on_report),
+                (subjects.LEAVING_ALL, self._on_leaving),
                 (subjects.SUSPECT, self._on_suspicion),
             ]
             for subject, handler in subscriptions:
@@ -378,6 +381,29 @@ class Controller:
         for replica in reg.replicas:
             await self._route_report(reg.node_id, replica)
         await self._fail_missing(reg)
+
+    async def _on_leaving(self, msg: Msg) -> None:
+        """An agent going away (SIGTERM): drain its node, so that its replicas are replaced
+        elsewhere before they stop; it serves until they are, or until its grace is over."""
+        if self._heartbeat_limit.oversized(msg.data):
+            self._drop("oversized", msg, f"a leaving notice of {len(msg.data)} bytes")
+            return
+        leaving = msgspec.json.decode(msg.data, type=Leaving)
+        if leaving.node_id != subjects.node_of(msg.subject):
+            self._drop("impersonation", msg, f"leaving for {leaving.node_id} on {msg.subject}")
+            return
+        self.liveness.heard(leaving.node_id, self.env.clock.monotonic())
+        if leaving.node_id not in self.live.state.nodes.nodes:
+            reply = LeavingReply(accepted=False, error=f"unknown node {leaving.node_id!r}")
+        else:
+            why = leaving.reason or "its agent is stopping"
+            reason = f"leaving within {leaving.grace_s:g} s: {why}"
+            ref = await self.node(leaving.node_id)
+            await ref.ask(Drain(reason, leaving=True), timeout=10.0)
+            self.log.info("node_leaving", node=leaving.node_id, grace_s=leaving.grace_s)
+            reply = LeavingReply(accepted=True)
+        if msg.reply:
+            await self.env.bus.publish(msg.reply, msgspec.json.encode(reply))
 
     async def _fail_missing(self, reg: Register) -> None:
         """A (re)registering agent lists everything it runs. A replica we believe starting or

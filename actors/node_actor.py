@@ -42,6 +42,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     health: HealthState = "healthy"
     reason: str = "registered"
     drained: bool = False
+    leaving: bool = False  # drained because its agent said it was going away
     removed: bool = False
 
 
@@ -63,6 +64,7 @@ class CheckSilence:
 @dataclass(frozen=True, slots=True)
 class Drain:
     reason: str = ""
+    leaving: bool = False  # its agent is going away: back when it registers again
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,10 +156,12 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             case NodeHealthChanged(state=health, reason=reason):
                 state.health = health
                 state.reason = reason
-            case NodeDrained():
+            case NodeDrained(leaving=leaving):
                 state.drained = True
+                state.leaving = leaving
             case NodeUndrained():
                 state.drained = False
+                state.leaving = False
             case NodeRemoved():
                 state.removed = True
             case _:
@@ -248,11 +252,10 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                 return await self._on_check(ctx)
             case LookFailed(error=error):
                 raise RuntimeError(f"the silence look failed: {error!r}") from error
-            case Drain(reason=reason):
+            case Drain(reason=reason, leaving=leaving):
                 if not self.state.drained:
-                    return await self.persist(
-                        ctx, [NodeDrained(node_id=self.node_id, reason=reason)]
-                    )
+                    drained = NodeDrained(node_id=self.node_id, reason=reason, leaving=leaving)
+                    return await self.persist(ctx, [drained])
                 return []
             case Undrain(reason=reason):
                 if self.state.drained:
@@ -291,6 +294,9 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         if self.state.registration != event or self.state.removed:
             await self.persist(ctx, [event])
             ctx.log.info("node_registered", gpus=len(reg.gpus), region=reg.region)
+        if self.state.drained and self.state.leaving:
+            back = NodeUndrained(node_id=self.node_id, reason="registered again after leaving")
+            await self.persist(ctx, [back])
         return RegisterReply(accepted=True, heartbeat_interval_s=self.policy.heartbeat_interval)
 
     async def _on_heartbeat(self, ctx: ActorContext[NodeMsg], hb: Heartbeat) -> list[int]:

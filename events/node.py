@@ -87,6 +87,8 @@ class NodeDrained(
 ):
     node_id: str
     reason: str = ""
+    # The agent said it is going away (Leaving): registering again undrains it.
+    leaving: bool = False
 
 
 class NodeUndrained(

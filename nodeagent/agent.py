@@ -22,6 +22,8 @@ from events.contract.messages import (
     Heartbeat,
     HeartbeatAck,
     LeaderRecord,
+    Leaving,
+    LeavingReply,
     Register,
     RegisterReply,
     ReplicaReport,
@@ -42,6 +44,7 @@ from .tunnel import TunnelServer
 from .workload.base import WorkloadDriver
 
 _REGISTER_REPLY = msgspec.json.Decoder(RegisterReply)
+_LEAVING_REPLY = msgspec.json.Decoder(LeavingReply)
 _FAULT = msgspec.json.Decoder(Fault)
 _HEARTBEAT_ACK = msgspec.json.Decoder(HeartbeatAck)
 _LEASE_SEQS_KEPT = 32  # heartbeats whose ack may still arrive
@@ -140,6 +143,9 @@ class Agent:
         self._renewal_seen: tuple[LeaderRecord, float] | None = None
         self.term = 0  # the newest leadership term heard of (commands and leases carry it)
         self._lease_changed = asyncio.Event()  # replaced after each new lease
+        self._leave = asyncio.Event()  # SIGTERM with a leave grace: go, once replaced
+        self._leave_now = asyncio.Event()  # a second SIGTERM: go now
+        self._runners_changed = asyncio.Event()  # replaced after each replica stopped here
         self._last_sample: tuple[tuple[GpuMetrics, ...], str] = ((), "")
 
     @property
@@ -152,16 +158,24 @@ class Agent:
         return tuple(runner.state for runner in self._runners.values())
 
     async def run(self) -> None:
-        """Serve until cancelled; on cancellation stop every workload (within the grace period)
-        before returning."""
+        """Serve until cancelled, or until it has left (`leave`); either way stop every
+        workload still running (within the grace period) before returning."""
         self._log.info("agent_starting", interval_s=self.heartbeat_interval)
         # Each ack is a few field updates: taken on arrival, not by a task woken per heartbeat.
         leases = await self._env.bus.subscribe(self._lease_subject, handler=self._on_lease)
         try:
             await self._serve()
+        except* _Left:
+            pass
         finally:
             with contextlib.suppress(BusError):
                 await leases.unsubscribe()
+
+    def leave(self) -> None:
+        """This node goes away (SIGTERM: a spot preemption, a reboot): tell the controller,
+        serve while it places replacements elsewhere and stops ours, for at most the leave
+        grace, then stop. A signal handler may call it."""
+        self._leave.set()
 
     async def _serve(self) -> None:
         async with asyncio.TaskGroup() as group:
@@ -172,6 +186,7 @@ class Agent:
                 group.create_task(self.front.run(), name="agent front")
                 await self.front.listening.wait()  # before any replica is advertised
                 self._front_base = http_address(self.config.address, self.front.port)
+            group.create_task(self._leave_when_told(), name="agent leaving")
             group.create_task(self._registration(), name="agent registration")
             await self._registered.wait()
             group.create_task(self._heartbeats(), name="agent heartbeats")
@@ -191,6 +206,8 @@ class Agent:
         """Cut the shutdown short (a second SIGTERM): workloads still inside their grace period
         are killed now. Cancelling run() again would not do it: a TaskGroup that is already
         cancelling its tasks does not pass a second cancellation on to them."""
+        self._leave_now.set()
+        self._runners_changed.set()  # a leaving agent waits for no replacement any more
         for task in self._tasks.values():
             task.cancel()
 
@@ -605,6 +622,54 @@ class Agent:
             await asyncio.wait({task})
         del self._runners[key], self._tasks[key]
         self._finished.add(key)
+        changed, self._runners_changed = self._runners_changed, asyncio.Event()
+        changed.set()
+
+    # Leaving.
+
+    async def _leave_when_told(self) -> None:
+        await self._leave.wait()
+        grace = self.config.leave_grace_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        why = await self._announce_leaving(grace)
+        if why:
+            self._log.warning("leaving_unannounced", why=why, replicas=len(self._runners))
+            raise _Left()
+        self._log.info("leaving", grace_s=grace, replicas=len(self._runners))
+        # The controller replaces our replicas elsewhere, then stops them here (StopReplica).
+        while self._runners and not self._leave_now.is_set():
+            left = deadline - loop.time()
+            if left <= 0:
+                self._log.warning("leave_grace_over", replicas=len(self._runners))
+                break
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._runners_changed.wait()
+        else:
+            self._log.info("left", took_s=round(grace - (deadline - loop.time()), 3))
+        raise _Left()
+
+    async def _announce_leaving(self, grace: float) -> str:
+        """'' once the controller has drained this node, else why not."""
+        cfg = self.config
+        notice = Leaving(node_id=cfg.node_id, grace_s=grace, reason="the agent got SIGTERM")
+        try:
+            answer = await self._env.bus.request(
+                subjects.leaving(cfg.node_id),
+                msgspec.json.encode(notice),
+                timeout=min(cfg.register_timeout_s, max(grace, 0.1)),
+            )
+            reply = _LEAVING_REPLY.decode(answer.data)
+        except NoResponders:
+            return "no controller answers"
+        except RequestTimeout:
+            return "no controller answered in time"
+        except BusError as exc:
+            return f"bus error: {exc}"
+        except msgspec.DecodeError as exc:
+            return f"undecodable reply: {exc}"
+        return "" if reply.accepted else reply.error or "refused"
 
     # Faults.
 
@@ -646,6 +711,10 @@ class Agent:
             return FaultReply(ok=False, error=str(exc))
         self._log.warning("fault_injected", kind=fault.kind, value=fault.value, gpu=fault.gpu)
         return FaultReply(ok=True)
+
+
+class _Left(Exception):
+    """Raised by the leaving task to end the agent's serving: the node has left."""
 
 
 async def _aclose(iterator: AsyncIterator[Any]) -> None:

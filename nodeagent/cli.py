@@ -105,6 +105,17 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         metavar="S",
         help="seconds between SIGTERM and SIGKILL when stopping workloads at shutdown",
     )
+    agent.add_argument(
+        "--leave-grace",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="on SIGTERM (a spot preemption, a reboot), tell the controller this node is "
+        "leaving and serve up to S seconds while its replicas are replaced elsewhere, then "
+        "stop; a second SIGTERM stops at once. Give it the notice your provider gives (30 on "
+        "most spot offers) and let the service manager wait that long; 0: stop at once "
+        "(default)",
+    )
     agent.set_defaults(handler=run_agent, daemon=True)
 
     actions = agent.add_subparsers(dest="agent_command", metavar="ACTION")
@@ -207,6 +218,7 @@ async def run_agent(args: argparse.Namespace) -> int:
             price_per_hour=args.price,
             heartbeat_interval=args.heartbeat_interval,
             stop_grace_s=args.stop_grace,
+            leave_grace_s=args.leave_grace,
             agent_version=_agent_version(),
             direct_front=not args.no_direct_fence,
             front_port=args.front_port,
@@ -296,8 +308,12 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
         env = real_env(MemoryEventStore(), bus=bus)
         agent = Agent(env, commands, probe, driver, config, read_lease=partial(read_lease, bus))
         bus.add_reconnect_callback(agent.on_reconnect)
+        leaves = config.leave_grace_s > 0
         revoked = await run_until_signal(
-            _until_refused(agent.run(), bus.credentials_refused), on_second=agent.force_stop
+            _until_refused(agent.run(), bus.credentials_refused),
+            on_signal=agent.leave if leaves else None,
+            cancel=not leaves,
+            on_second=agent.force_stop,
         )
     except BusError as exc:
         _error(f"NATS at {url}: {exc}")

@@ -46,6 +46,9 @@ class AgentConfig:
     heartbeat_interval: float = 1.0  # until the controller's RegisterReply says otherwise
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     stop_grace_s: float = 10.0  # SIGTERM to SIGKILL, on shutdown and after a failed probe
+    # On SIGTERM: tell the controller this node is leaving and serve up to this long while its
+    # replicas are replaced elsewhere (a spot preemption's notice); 0: stop at once.
+    leave_grace_s: float = 0.0
     register_timeout_s: float = 2.0
     register_backoff_s: float = 0.5
     register_backoff_max_s: float = 10.0
@@ -65,3 +68,5 @@ class AgentConfig:
             raise ValueError(f"heartbeat interval must be > 0 s, got {self.heartbeat_interval}")
         if self.stop_grace_s < 0:
             raise ValueError(f"stop grace must be >= 0 s, got {self.stop_grace_s}")
+        if not (math.isfinite(self.leave_grace_s) and self.leave_grace_s >= 0):
+            raise ValueError(f"leave grace must be >= 0 s, got {self.leave_grace_s}")

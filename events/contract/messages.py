@@ -54,6 +54,23 @@ class RegisterReply(
     error: str = ""
 
 
+class Leaving(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="leaving.v1"):
+    """Agent -> controller, request/reply: this node goes away within `grace_s` (a spot
+    preemption, a reboot: the agent got SIGTERM). The controller drains it, so its replicas are
+    replaced elsewhere first and stopped here after; the agent serves until then."""
+
+    node_id: str
+    grace_s: float
+    reason: str = ""
+
+
+class LeavingReply(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="leaving_reply.v1"
+):
+    accepted: bool
+    error: str = ""
+
+
 class Heartbeat(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="heartbeat.v1"):
     """Agent -> controller, every heartbeat interval."""
 

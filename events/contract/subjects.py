@@ -26,6 +26,7 @@ VERSION_HEADER = "Gpumesh-Stream-Version"
 HEARTBEAT_ALL = f"{PREFIX}.node.*.heartbeat"
 REGISTER_ALL = f"{PREFIX}.node.*.register"
 REPORT_ALL = f"{PREFIX}.node.*.report"
+LEAVING_ALL = f"{PREFIX}.node.*.leaving"  # an agent told to stop (SIGTERM: a preemption)
 
 # Controller -> agent (JetStream), and chaos -> agent (request/reply).
 COMMAND_ALL = f"{PREFIX}.node.*.cmd"
@@ -77,6 +78,10 @@ def register(node_id: str) -> str:
 
 def report(node_id: str) -> str:
     return f"{PREFIX}.node.{node_id}.report"
+
+
+def leaving(node_id: str) -> str:
+    return f"{PREFIX}.node.{node_id}.leaving"
 
 
 def command(node_id: str) -> str:

@@ -76,6 +76,7 @@ def _node(node_id: str, inbox: str) -> Permissions:
             subjects.register(node_id),
             subjects.heartbeat(node_id),
             subjects.report(node_id),
+            subjects.leaving(node_id),
             # Creating its consumer names the filter in the subject, so the server checks that
             # the filter is this node's own command subject and nobody else's.
             f"{JS_API}.CONSUMER.CREATE.{stream}.{consumer}.{subjects.command(node_id)}",
