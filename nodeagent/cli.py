@@ -266,11 +266,12 @@ async def _open_driver(args: argparse.Namespace) -> Any:
     if args.workload_driver == "docker":
         from .workload.docker import DockerDriver
 
-        driver = DockerDriver(log_dir)
+        driver = DockerDriver(log_dir, node_id=args.node_id)
         try:
             await driver.check()
         except DriverUnavailable as exc:
             raise _Unusable(str(exc)) from None
+        await driver.stop_leftovers()
         return driver
     from .workload.leftovers import Records, stop_leftovers
     from .workload.process import ProcessDriver

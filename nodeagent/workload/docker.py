@@ -31,6 +31,7 @@ from .probing import ProbeSettings, exit_within, wait_ready, watch
 
 _log = structlog.get_logger("gpumesh.nodeagent.docker")
 
+NODE_LABEL = "gpumesh.node"
 DEFAULT_CONTAINER_PORT = 8000  # what vLLM, TGI and most OpenAI-compatible servers listen on
 _CLI_TIMEOUT_S = 30.0  # for the short docker commands (info, rm, stop's own round trip)
 
@@ -45,11 +46,15 @@ def docker_run_argv(
     gpu_indices: Sequence[int],
     host: str,
     host_port: int,
+    node_id: str = "",
 ) -> list[str]:
     """The `docker run` command line for one replica."""
     container_port = spec.port or DEFAULT_CONTAINER_PORT
     argv = [docker, "run", "--rm", "-d", "--name", name]
     argv += ["--label", f"gpumesh.replica={replica_id}", "--label", f"gpumesh.epoch={epoch}"]
+    if node_id:
+        # What the agent's next run finds its leftovers by (stop_leftovers).
+        argv += ["--label", f"{NODE_LABEL}={node_id}"]
     if gpu_indices:
         # The quotes are docker's: without them the comma would split the --gpus option.
         argv += ["--gpus", f'"device={gpu_ids(gpu_indices)}"']
@@ -79,11 +84,36 @@ class DockerDriver:
         docker: str = "docker",
         probes: ProbeSettings | None = None,
         host: str = "127.0.0.1",
+        node_id: str = "",
     ) -> None:
         self.log_dir = log_dir
         self.docker = docker
         self.probes = probes if probes is not None else ProbeSettings()
         self.host = host
+        self.node_id = node_id  # labels its containers; "" leaves them unlabelled
+
+    async def stop_leftovers(self) -> list[str]:
+        """Remove every container labelled with this node that a previous run of the agent
+        left (the engine keeps containers running when the agent dies, unlike processes):
+        its lease is gone, and the controller places what should run. Returns their ids."""
+        if not self.node_id:
+            return []
+        label = f"label={NODE_LABEL}={self.node_id}"
+        code, out, err = await _run(self.docker, "ps", "-aq", "--filter", label)
+        if code != 0:
+            _log.warning("leftover_containers_unlisted", error=_last_line(err))
+            return []
+        found = out.split()
+        for container in found:
+            code, _, err = await _run(self.docker, "rm", "-f", container)
+            _log.warning(
+                "orphan_container_stopped" if code == 0 else "orphan_container_not_removed",
+                container=container[:12],
+                error=_last_line(err) if code else "",
+                reason="left running by this agent's previous run, whose lease is gone; the "
+                "controller places what should run",
+            )
+        return found
 
     async def check(self) -> None:
         """DriverUnavailable (one clear line) unless a docker engine answers."""
@@ -128,6 +158,7 @@ class DockerDriver:
             gpu_indices=gpu_indices,
             host=self.host,
             host_port=host_port,
+            node_id=self.node_id,
         )
         try:
             # No timeout: `docker run` pulls the image first, which can take long.

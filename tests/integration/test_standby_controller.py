@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 import pytest
 
+from actors.cli import READ_MODEL_FILE
 from events import TERMS_STREAM, LeaderTermBegan
 from events.jetstream_store import JetStreamEventStore, JetStreamOptions
-from actors.cli import READ_MODEL_FILE
 from gpumesh.cli import main
 from projections.projector import load_checkpoint
 from runtime.errors import BusError

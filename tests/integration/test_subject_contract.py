@@ -164,8 +164,8 @@ def test_examples_match_their_subjects_and_builders() -> None:
     assert used == built  # one example at least for every subject the code can build
     constants = {
         subjects.REGISTER_ALL, subjects.HEARTBEAT_ALL, subjects.REPORT_ALL,
-        subjects.LEAVING_ALL, subjects.COMMAND_ALL, subjects.EVENTS_ALL, subjects.ROUTING, subjects.API_ALL,
-        subjects.SUSPECT,
+        subjects.LEAVING_ALL, subjects.COMMAND_ALL, subjects.EVENTS_ALL, subjects.ROUTING,
+        subjects.API_ALL, subjects.SUSPECT,
     }  # fmt: skip
     assert constants <= {s.cell("Wildcard") for s in SECTIONS}
 

@@ -1,8 +1,9 @@
 """A stand-in for the docker CLI, for DockerDriver's tests on machines without an engine.
 
-It understands the commands DockerDriver issues (info, rm, run, wait, logs, stop, kill) for one
-container, "c1", which is the echo workload run directly on the published host port. State
-lives in $FAKE_DOCKER_STATE: run.json (the run argv), c1.pid, and c1.exit once it ended.
+It understands the commands DockerDriver issues (info, rm, run, wait, logs, stop, kill, and ps
+with one label filter) for one container, "c1", which is the echo workload run directly on the
+published host port. State lives in $FAKE_DOCKER_STATE: run.json (the run argv), c1.pid, and
+c1.exit once it ended.
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ def run(args: list[str]) -> None:
     print("c1")
 
 
+def running() -> bool:
+    return (STATE / "c1.pid").exists() and not EXIT.exists() and alive(running_pid())
+
+
+def ps(args: list[str]) -> None:
+    """`ps -aq --filter label=K=V`: c1 if it runs and its run carried that label."""
+    wanted = args[args.index("--filter") + 1].removeprefix("label=")
+    run_args = json.loads((STATE / "run.json").read_text()) if running() else []
+    labels = [run_args[i + 1] for i, a in enumerate(run_args[:-1]) if a == "--label"]
+    if wanted in labels:
+        print("c1")
+
+
 def main() -> int:
     command, *args = sys.argv[1:]
     if command == "info":
@@ -82,7 +96,11 @@ def main() -> int:
         end(signal.SIGTERM, "0")  # echo exits cleanly on SIGTERM
     elif command == "kill":
         end(signal.SIGKILL, "137")
-    return 0  # rm and anything else: nothing to do
+    elif command == "ps":
+        ps(args)
+    elif command == "rm" and args[-1] == "c1" and running():
+        end(signal.SIGKILL, "137")
+    return 0  # rm of nothing running, and anything else: nothing to do
 
 
 if __name__ == "__main__":

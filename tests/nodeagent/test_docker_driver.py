@@ -200,3 +200,27 @@ async def test_a_container_reaches_ready_and_stops(tmp_path: Path) -> None:
     finally:
         ended = await workload.stop(2.0)
     assert ended.reason == "stopped"
+
+
+@pytest.mark.integration
+async def test_a_restarted_agent_removes_the_containers_its_node_left(
+    tmp_path: Path, docker_stand_in: tuple[str, Path]
+) -> None:
+    """Containers outlive a killed agent (the engine owns them): its next run finds them by
+    the node's label and removes them; another node's agent leaves them alone."""
+    docker, state = docker_stand_in
+    first = DockerDriver(tmp_path / "logs", docker=docker, probes=FAST, node_id="n1")
+    spec = ClusterSpec(name="chat", image="gpumesh/echo:latest")
+    workload = await first.start("r1", 1, spec, (), 0)
+    assert await workload.wait_ready() is None
+    run_args = json.loads((state / "run.json").read_text())
+    assert "gpumesh.node=n1" in run_args
+    # The agent dies here without stopping it.
+    other = DockerDriver(tmp_path / "logs", docker=docker, node_id="n2")
+    assert await other.stop_leftovers() == []
+    assert not (state / "c1.exit").exists()
+    again = DockerDriver(tmp_path / "logs", docker=docker, node_id="n1")
+    assert await again.stop_leftovers() == ["c1"]
+    assert (state / "c1.exit").exists()
+    assert await again.stop_leftovers() == []
+    await workload.stop(1.0)

@@ -108,7 +108,8 @@ async def test_the_first_process_dies_with_its_agent(tmp_path: Path) -> None:
 
         async def main():
             driver = ProcessDriver(Path({str(tmp_path)!r}))
-            spec = ClusterSpec(name="c", command={sys.executable!r} + " -c 'import time; time.sleep(300)'")
+            sleeper = " -c 'import time; time.sleep(300)'"
+            spec = ClusterSpec(name="c", command={sys.executable!r} + sleeper)
             workload = await driver.start("r1", 1, spec, [], 9)
             print("PID", workload.pid, flush=True)
             await asyncio.sleep(300)
@@ -116,7 +117,7 @@ async def test_the_first_process_dies_with_its_agent(tmp_path: Path) -> None:
         asyncio.run(main())
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE)  # noqa: ASYNC220
     assert proc.stdout is not None
     line = b""
     while not line.startswith(b"PID "):  # the driver logs to stdout too
@@ -128,7 +129,8 @@ async def test_the_first_process_dies_with_its_agent(tmp_path: Path) -> None:
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 10
-        while members(workload) and time.monotonic() < deadline:
+        # Not our child: nothing announces its end but its absence.
+        while members(workload) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.02)
         assert members(workload) == [], "the workload outlived its agent"
     finally:
