@@ -8,6 +8,7 @@ last wrote, and a hand-over deletes its own message, by sequence, if it is still
 
 from __future__ import annotations
 
+import asyncio
 from typing import Final
 
 import msgspec
@@ -16,6 +17,7 @@ from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 from nats.js.errors import APIError, NotFoundError
 
 from events.contract import subjects
+from runtime.errors import BusError
 from wire.nats_bus import NatsBus, describe, ensure_stream
 
 from .errors import ControllerError
@@ -37,20 +39,36 @@ class KvLease:
         self._bus = bus
         self._js = bus.jetstream(timeout=timeout)
         self._ready = False
+        self._setup: asyncio.Task[None] | None = None
 
     async def _stream(self) -> None:
-        if not self._ready:
-            config = StreamConfig(
-                name=STREAM,
-                description="gpumesh: which controller leads (docs/operations.md)",
-                subjects=[SUBJECT],
-                storage=StorageType.FILE,
-                max_msgs_per_subject=1,
-                discard=DiscardPolicy.OLD,
-                allow_msg_ttl=True,
-            )
+        """Make sure of the stream, once. The set-up runs as a task of its own that a caller
+        giving up on its write (Leadership bounds each attempt to a fraction of a second)
+        does not cancel: a set-up that takes longer than one attempt (a stream electing its
+        leader, a server down) is waited on by the next, not started over each time."""
+        if self._ready:
+            return
+        setup = self._setup
+        if setup is None or (setup.done() and (setup.cancelled() or setup.exception())):
+            setup = self._setup = asyncio.create_task(self._make_stream(), name="leader-lease")
+            setup.add_done_callback(_retrieve)
+        await asyncio.shield(setup)
+
+    async def _make_stream(self) -> None:
+        config = StreamConfig(
+            name=STREAM,
+            description="gpumesh: which controller leads (docs/operations.md)",
+            subjects=[SUBJECT],
+            storage=StorageType.FILE,
+            max_msgs_per_subject=1,
+            discard=DiscardPolicy.OLD,
+            allow_msg_ttl=True,
+        )
+        try:
             await ensure_stream(self._js, config, replicas=self._bus.stream_replicas)
-            self._ready = True
+        except BusError as exc:  # the backend's own failure: a campaign asks again
+            raise ControllerError(str(exc)) from exc
+        self._ready = True
 
     async def _write(self, value: bytes, last: int, ttl_s: float, lost: ControllerError) -> int:
         await self._stream()
@@ -108,3 +126,9 @@ class KvLease:
             return None
         value, revision = found
         return _RECORD.decode(value), revision
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """A set-up that fails with no caller left waiting on it is asked again by the next."""
+    if not task.cancelled():
+        task.exception()

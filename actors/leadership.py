@@ -33,6 +33,10 @@ from .errors import ControllerError
 _RETRY_RENEWAL_S = 0.05
 # One renewal attempt waits at most this long for its answer before another is sent.
 _RENEWAL_ATTEMPT_S = 0.25
+# One create (a campaign's attempt) waits at most this long for its answer before another is
+# sent; the creates that got none are remembered, this many, in case one was stored after all.
+_CREATE_ATTEMPT_S = 0.5
+_UNANSWERED_KEPT = 64
 
 
 class LeaseTaken(ControllerError):
@@ -139,7 +143,16 @@ class Leadership:
             self._say("leadership_lost", term=revision, reason=reason)
 
     async def _campaign(self) -> int:
-        """Until this controller creates the key: its revision, the new term."""
+        """Until this controller creates the key: its revision, the new term.
+
+        Each create waits at most _CREATE_ATTEMPT_S for its answer, as a renewal does: one sent
+        while the key's stream elects a leader (its server was lost) may get no answer at all,
+        and waiting out the JetStream request's own timeout (5 s) for it kept both
+        controllers from asking again long after the stream could answer. A create that got
+        no answer may still have been stored; when a later one finds the key taken, the key
+        is read, and if it holds one of those creates this controller leads from it."""
+        unanswered: dict[int, float] = {}  # since_ns -> sent, of creates that got no answer
+        slow = 0  # creates in a row that got no answer
         while True:
             now_ns = self._clock.wall_ns()
             record = LeaderRecord(
@@ -147,15 +160,37 @@ class Leadership:
             )
             sent = self._clock.monotonic()
             try:
-                revision = await self._backend.create(
-                    msgspec.json.encode(record), self.timing.ttl_s
-                )
+                async with asyncio.timeout(_CREATE_ATTEMPT_S):
+                    revision = await self._backend.create(
+                        msgspec.json.encode(record), self.timing.ttl_s
+                    )
             except LeaseTaken:
-                await asyncio.sleep(self.timing.poll_s)
+                slow = 0
+                # A create older than the key's time to live is too late to lead from if it
+                # was stored at all (the key then expires on its own): forgotten, so that a
+                # standby does not read the key at every look.
+                for since_ns, at in list(unanswered.items()):
+                    if sent - at > self.timing.ttl_s:
+                        del unanswered[since_ns]
+                found = await self._late_create(unanswered) if unanswered else None
+                if found is None:
+                    await asyncio.sleep(self.timing.poll_s)
+                    continue
+                revision, now_ns, sent = found
+            except TimeoutError:
+                # No answer in time: ask again at once (a stream electing its leader answers
+                # nothing; the next create may reach the new leader). This one may be stored.
+                unanswered[now_ns] = sent
+                while len(unanswered) > _UNANSWERED_KEPT:
+                    del unanswered[next(iter(unanswered))]
+                if not slow:  # once per run of unanswered creates
+                    self._say("lease_create_slow", waited_s=_CREATE_ATTEMPT_S)
+                slow += 1
                 continue
             except ControllerError as exc:
                 # NATS cannot take the write now (a new stream electing its leader, a server
                 # going away): no one can lead through it either; ask again shortly.
+                slow = 0
                 self._say("lease_unavailable", error=str(exc))
                 await asyncio.sleep(self.timing.poll_s)
                 continue
@@ -167,6 +202,43 @@ class Leadership:
             self.terms_led += 1
             self._say("leadership_won", term=revision)
             return revision
+
+    async def _late_create(self, unanswered: dict[int, float]) -> tuple[int, int, float] | None:
+        """The key holds one of this controller's creates that got no answer: (its revision,
+        since_ns, when it was sent) if this controller may still lead from it, else None.
+
+        A term acts only until acts_s after its last write known to be stored was sent; if
+        that has passed for the create found, no renewal may revive it (agents may already
+        count on its holder having stopped: LeaseTiming.acts_s), so this controller deletes
+        the key, which nobody has acted on, and campaigns again at once rather than wait
+        for the key to expire."""
+        found = await self._read_within(_CREATE_ATTEMPT_S)
+        if found is None:
+            return None
+        value, revision = found
+        try:
+            record = msgspec.json.decode(value, type=LeaderRecord)
+        except msgspec.DecodeError:
+            return None
+        sent = unanswered.get(record.since_ns)
+        if record.controller_id != self.controller_id or sent is None or record.term != 0:
+            return None  # another controller's, or a term already renewed
+        if self._clock.monotonic() < sent + self.timing.acts_s:
+            self._say("lease_create_found", term=revision)
+            return revision, record.since_ns, sent
+        with contextlib.suppress(ControllerError, TimeoutError):
+            async with asyncio.timeout(_CREATE_ATTEMPT_S):
+                await self._backend.release(revision)
+        self._say("lease_create_dropped", revision=revision)
+        return None
+
+    async def _read_within(self, seconds: float) -> tuple[bytes, int] | None:
+        """The key, read within `seconds`; None also when it cannot be read in time."""
+        try:
+            async with asyncio.timeout(max(0.0, seconds)):
+                return await self._backend.read()
+        except (ControllerError, TimeoutError):
+            return None
 
     async def _lead(self, lead: Lead, revision: int) -> str:
         """Run `lead` for the term while renewing; cancel it and return why when the lease
@@ -201,7 +273,7 @@ class Leadership:
                     async with asyncio.timeout(max(0.0, attempt_ends - sent)):
                         revision = await self._renew(revision)
                 except LeaseLost:
-                    adopted = await self._ours() if unsure else None
+                    adopted = await self._ours(deadline) if unsure else None
                     if adopted is None:
                         reason = "another controller holds the lease"
                         break
@@ -250,12 +322,10 @@ class Leadership:
             await _stop(task)
         return reason
 
-    async def _ours(self) -> int | None:
-        """The key's revision if what it holds is this term's own record, else None."""
-        try:
-            found = await self._backend.read()
-        except ControllerError:
-            return None
+    async def _ours(self, deadline: float) -> int | None:
+        """The key's revision if what it holds is this term's own record, else None; read
+        before `deadline`, after which it would be of no use (the term ends there)."""
+        found = await self._read_within(deadline - self._clock.monotonic())
         if found is None:
             return None
         value, revision = found
