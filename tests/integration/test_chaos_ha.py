@@ -27,9 +27,11 @@ from tests.integration.up_process import reap, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
+LOSS_LEADS_S = 15.0  # a NATS server's loss: a controller leads again within this, generously
+
 SCENARIO = """
 name = "chaos-ha"
-duration_s = 24
+duration_s = 36
 settle_s = 4
 controllers = 2
 
@@ -74,7 +76,7 @@ async def test_chaos_plays_the_leaders_and_a_nats_servers_loss_against_up_ha(
             subprocess.run,
             [sys.executable, "-m", "gpumesh", "chaos", str(scenario), "--data-dir",
              str(data_dir), "--json"],
-            capture_output=True, timeout=90, check=False,
+            capture_output=True, timeout=120, check=False,
             env={**os.environ, STACK_ENV: marker},
         )  # fmt: skip
         err = done.stderr.decode(errors="replace")
@@ -103,10 +105,13 @@ async def test_chaos_plays_the_leaders_and_a_nats_servers_loss_against_up_ha(
         assert crash["target"].startswith(f"controller {crash['leader_before']} (pid ")
         assert pause["leader_before"] == crash["leader_after"]
         assert loss["target"].startswith("nats-server nats-")
-        # Known gap (docs/operations.md): when the server lost led the lease's stream, a
-        # controller leads again after 4-8 s, and once in CI (1 of about 10 runs) not within
-        # chaos's 30 s window; clients lost nothing. Reported, not held to a bound here.
-        assert loss["leads_again_s"] is None or loss["leads_again_s"] < 30.0, loss
+        # A controller leads again: at once when the server lost did not lead the lease's
+        # stream (the leader renews through another); after the stream's election (about
+        # 3-9 s) and a create when it did. The watch ends with the run (duration_s + settle_s:
+        # 21 s after this fault; it was 9 s, shorter than some elections). Before each create
+        # waited only 0.5 s for its answer, one sent into the election waited out its 5 s
+        # timeout: 10.7 s were seen, reported as no leader.
+        assert loss["leads_again_s"] is not None and loss["leads_again_s"] < LOSS_LEADS_S, loss
         for f in (crash, pause, loss):
             requests = f["requests"]
             assert requests["sent"] > 20, f
