@@ -31,6 +31,7 @@ from runtime.actor import ActorContext
 from runtime.errors import ActorStopped, MailboxFull
 from runtime.event_sourced import EventSourcedActor
 
+from .errors import ControllerError
 from .health import HealthPolicy, evaluate, missed_heartbeats
 from .heartbeat_recorder import NodeLiveness, verdict_changes
 from .silence_watch import SilenceWatch
@@ -81,7 +82,7 @@ class Remove:
     asked: bool = True  # an operator's: a node not offline is an error to say, not to ignore
 
 
-class NotRemovable(Exception):
+class NotRemovable(ControllerError):
     """The node is not offline: its replicas would have nowhere recorded to go."""
 
 
