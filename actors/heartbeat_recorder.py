@@ -1,9 +1,10 @@
 """Heartbeats recorded in batches, outside the NodeActors' mailboxes.
 
 Every admitted heartbeat becomes a `node.heartbeat.v1` event in the node's `heartbeat/<id>`
-stream. The recorder takes them as the controller reads them and appends everything that
-arrived during one commit as one `append_many`: one trip to the store and one wake-up for a
-few hundred nodes, where a mailbox turn and a commit wake-up for each heartbeat cost a quarter
+stream. The recorder takes them as the controller reads them and appends what arrived during
+one commit as one `append_many` (the oldest of each node's, one event per append; a node's
+next waits for the next commit): one trip to the store and one wake-up for a few hundred
+nodes, where a mailbox turn and a commit wake-up for each heartbeat cost a quarter
 of the controller's CPU per heartbeat (docs/performance.md, Heartbeat throughput).
 
 What a heartbeat means stays the NodeActor's decision. Two small tables, `NodeLiveness`, are

@@ -46,15 +46,18 @@ Design (figures: docs/performance.md, JetStream store):
   which ids those are, meets the server's duplicate answer, and writes the event after it
   (tests/contract/test_jetstream_store.py: test_jetstream_rewrites_a_compacted_id_late).
 - Reads are batch direct gets (`allow_direct`): on R3 a follower may answer, so a read that
-  stops short of a sequence this store saw acknowledged is asked again. Subscriptions are
-  ordered push consumers from a sequence. Heartbeat compaction purges per heartbeat subject
-  below a sequence bound, so the positions of what remains do not change. Snapshots live in a
-  key-value bucket, one key per log stream.
+  stops short of a sequence this store saw acknowledged is asked again. Subscribers take
+  this store's own appends from an in-memory tail of its last acknowledged ones, and read
+  the rest (another writer's, or what is older) with the same direct gets; past all it
+  knows, they ask the server again every 10-100 ms (follow.py). Heartbeat compaction purges
+  per heartbeat subject below a sequence bound, so the positions of what remains do not
+  change. Snapshots live in a key-value bucket, one key per log stream.
 
 The modules: `store.py` (the class, reads, compaction, snapshots), `writer.py` (appends),
 `index.py` (versions, ids and heartbeats in memory; the scan at open), `follow.py`
-(subscriptions), `jsapi.py` (the JetStream requests and error translation), `messages.py`
-(an event as a message), `options.py` (names and limits).
+(subscriptions), `tail.py` (the store's own latest appends, for its subscribers),
+`jsapi.py` (the JetStream requests and error translation), `messages.py` (an event as a
+message), `options.py` (names and limits).
 """
 
 from .options import JetStreamOptions
