@@ -15,6 +15,15 @@ and the servers, in that order; a second one kills what is left.
 The controllers keep the event log of record on JetStream (`gpumesh controller --event-log
 jetstream`: the GPUMESH_LOG stream, three copies on the three servers), so they share no disk,
 and a standby follows the log as it is written.
+
+Each controller reaches the servers only through relays `up` owns (wire/tcp_relay.py: one port
+on 127.0.0.1 per controller per server; its `--nats` lists them), as if across a network of its
+own, so that one can be cut off from NATS without root: `ControllerLinks`. Whoever connects to
+the control socket DATA_DIR/up-ha.sock and sends one JSON line `{"cut": "ctl-0"}` is answered
+`{"ok": true, ...}` and holds that controller cut off (a blackhole: its connections stay open
+and carry nothing; new ones are held) for as long as it keeps the connection open; when it
+closes (or shuts its side down, or dies), the cut heals and, if it still listens, it is
+answered `{"ok": true, "healed": "ctl-0"}`. `gpumesh chaos` does this for `controller_partition`.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from events.contract.messages import ApiReply
 
 NATS_DIR = "nats-ha"  # the three servers' directories (nats-0, nats-1, nats-2) in DATA_DIR
 PROCESSES_FILE = "up-ha.json"  # who runs where, rewritten on every restart; removed at the end
+CONTROL_SOCKET = "up-ha.sock"  # cuts a controller off from NATS (ControllerLinks); removed at end
+CONTROL_LINE_MAX = 4096
 CONTROLLERS = ("ctl-0", "ctl-1")
 GATEWAY_ID = "gw-0"
 RESTART_AFTER_S = 1.0
@@ -190,6 +201,153 @@ class NatsMember:
                 os.kill(pid, signal.SIGKILL)
 
 
+class ControllerLinks:
+    """Each controller's way to the NATS servers: one TcpRelay per server, and the control
+    socket that cuts a controller off (module docstring). `listen()` binds the relays' ports
+    (the controllers' `--nats`); `serve()` relays and answers until cancelled."""
+
+    def __init__(self, data_dir: Path, controllers: Sequence[str], servers: Sequence[Any]) -> None:
+        from wire.tcp_relay import TcpRelay
+
+        self.socket_path = data_dir / CONTROL_SOCKET
+        self.control = ""  # the socket's path once it listens
+        self.serving = asyncio.Event()  # serve() runs: the relays relay, the socket listens
+        self._schemes = {server.name: server.server.url.partition("://")[0] for server in servers}
+        self.relays: dict[str, dict[str, TcpRelay]] = {
+            name: {
+                server.name: TcpRelay(("127.0.0.1", server.port), name=f"{name}->{server.name}")
+                for server in servers
+            }
+            for name in controllers
+        }
+        self._holds: dict[str, int] = {}  # controller -> control connections holding its cut
+        self._tasks: asyncio.TaskGroup | None = None
+        self._clients: set[asyncio.StreamWriter] = set()
+
+    async def listen(self) -> None:
+        for relays in self.relays.values():
+            for relay in relays.values():
+                await relay.listen()
+
+    def urls(self, controller: str) -> str:
+        """The controller's `--nats`: its relays, one per server, in the servers' order."""
+        return ",".join(
+            f"{self._schemes[server]}://127.0.0.1:{relay.port}"
+            for server, relay in self.relays[controller].items()
+        )
+
+    def ports(self, controller: str) -> dict[str, int]:
+        return {server: relay.port for server, relay in self.relays[controller].items()}
+
+    def is_cut(self, controller: str) -> bool:
+        return self._holds.get(controller, 0) > 0
+
+    async def serve(self) -> None:
+        """Relay, and answer the control socket, until cancelled; then close every connection
+        and remove the socket."""
+        async with asyncio.TaskGroup() as tasks:
+            self._tasks = tasks
+            for relays in self.relays.values():
+                for relay in relays.values():
+                    tasks.create_task(relay.serve(), name=f"up-ha:relay:{relay.name}")
+            server = await self._control_server()
+            self.serving.set()
+            try:
+                await asyncio.Future()  # until cancelled
+            finally:
+                self._tasks = None
+                if server is not None:
+                    server.close()
+                for writer in list(self._clients):
+                    writer.transport.abort()
+                self.socket_path.unlink(missing_ok=True)
+                self.control = ""
+
+    async def _control_server(self) -> asyncio.AbstractServer | None:
+        self.socket_path.unlink(missing_ok=True)  # left by an `up` that was killed
+        try:
+            server = await asyncio.start_unix_server(self._accepted, path=str(self.socket_path))
+            os.chmod(self.socket_path, 0o600)  # who may cut: this user, as with up-ha.json
+        except OSError as exc:  # a path too long for a socket, say
+            _progress(f"no control socket at {self.socket_path} ({exc}): controllers cannot be "
+                      "cut off from NATS (gpumesh chaos skips controller_partition)")  # fmt: skip
+            return None
+        self.control = str(self.socket_path)
+        return server
+
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # A plain callback: the connection's task is the TaskGroup's, cancelled with it.
+        if self._tasks is None:
+            writer.transport.abort()
+            return
+        self._tasks.create_task(self._answer(reader, writer), name="up-ha:control")
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One client: `{"cut": NAME}`, held until it closes its side (module docstring)."""
+        self._clients.add(writer)
+        try:
+            try:
+                async with asyncio.timeout(10.0):
+                    line = await reader.readline()
+                asked = json.loads(line) if line.strip() else {}
+                name = asked.get("cut") if isinstance(asked, dict) else None
+            except (TimeoutError, ValueError, OSError):
+                name = None
+            if not isinstance(name, str) or name not in self.relays:
+                known = ", ".join(self.relays)
+                await _reply(writer, {"ok": False, "error": f'say {{"cut": NAME}}, NAME one of '
+                                      f"{known}"})  # fmt: skip
+                return
+            held = self._cut(name)
+            try:
+                await _reply(writer, {"ok": True, "cut": name, "connections": held,
+                                      "relays": self.ports(name)})  # fmt: skip
+                with contextlib.suppress(OSError):
+                    while await reader.read(CONTROL_LINE_MAX):
+                        pass  # anything said meanwhile is ignored: the cut lasts until EOF
+            finally:
+                self._heal(name)
+            await _reply(writer, {"ok": True, "healed": name})
+        finally:
+            self._clients.discard(writer)
+            writer.transport.abort()
+
+    def _cut(self, name: str) -> int:
+        """One more hold on `name`'s cut; how many connections its relays hold."""
+        self._holds[name] = self._holds.get(name, 0) + 1
+        relays = self.relays[name].values()
+        if self._holds[name] == 1:
+            for relay in relays:
+                relay.cut()
+            _progress(f"controller {name} cut off from NATS: its relays carry nothing until "
+                      "the control connection that asked closes")  # fmt: skip
+        return sum(relay.connections for relay in relays)
+
+    def _heal(self, name: str) -> None:
+        if name not in self._holds:
+            return  # healed already (stopping: heal_all)
+        self._holds[name] -= 1
+        if self._holds[name] > 0:
+            return
+        del self._holds[name]
+        for relay in self.relays[name].values():
+            relay.heal()
+        _progress(f"controller {name} reaches NATS again (partition healed)")
+
+    def heal_all(self) -> None:
+        """Stopping: every controller reaches NATS again, so that the leader can hand its lease
+        over (the control connections are closed with the rest)."""
+        for name in list(self._holds):
+            self._holds[name] = 1
+            self._heal(name)
+
+
+async def _reply(writer: asyncio.StreamWriter, data: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        writer.write(json.dumps(data).encode() + b"\n")
+        await writer.drain()
+
+
 def _progress(text: str) -> None:
     print(f"gpumesh up: {text}", file=sys.stderr, flush=True)
 
@@ -207,6 +365,10 @@ def _exit_text(code: int | None) -> str:
 
 class StartFailed(Exception):
     """A process of the stack died, or did not come up, while the stack was starting."""
+
+
+class RelayFailed(StartFailed):
+    """The controllers' relays (ControllerLinks) stopped with an error: a bug, said at the end."""
 
 
 class HaStack:
@@ -236,6 +398,7 @@ class HaStack:
             NatsMember(server, member.server_name, member.route_port)
             for server, member in zip(self.cluster.servers, self.cluster.members, strict=True)
         ]
+        self.links = ControllerLinks(self.data_dir, CONTROLLERS, self.nats)
         self.controllers: list[Program] = []
         self.gateway: Program | None = None
         self.gateway_url = ""
@@ -261,7 +424,20 @@ class HaStack:
     # -- the whole life ------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Start everything, print where it is, watch it until told to stop; stop in order."""
+        """Start everything, print where it is, watch it until told to stop; stop in order. The
+        controllers' relays (and the control socket) live from before the first controller
+        starts until after the last one stopped."""
+        await self.links.listen()
+        links = asyncio.create_task(self.links.serve(), name="up-ha:links")
+        try:
+            await self._run()
+        finally:
+            links.cancel()
+            await asyncio.wait({links})
+            if not links.cancelled() and links.exception() is not None:
+                raise RelayFailed(f"the controllers' relays failed: {links.exception()!r}")
+
+    async def _run(self) -> None:
         starting = asyncio.ensure_future(self._start())
         stopped = asyncio.ensure_future(self.stopping.wait())
         try:
@@ -327,7 +503,8 @@ class HaStack:
 
     async def _start_controllers(self) -> None:
         for name in CONTROLLERS:
-            argv = ["controller", "--nats", self.urls, "--controller-id", name]
+            # Through its own relays (ControllerLinks): what `gpumesh chaos` may cut.
+            argv = ["controller", "--nats", self.links.urls(name), "--controller-id", name]
             # The log of record on a stream of three copies: the controllers share no disk,
             # and a standby follows the log as it is written.
             argv += ["--event-log", "jetstream"]
@@ -560,6 +737,7 @@ class HaStack:
         if self.gateway is not None:
             await self.gateway.stop(grace)
         await asyncio.gather(*(agent.stop(grace) for agent in self.agents))
+        self.links.heal_all()  # a controller cut off could not hand its lease over
         leader = await self._current_leader()
         standbys = [c for c in self.controllers if c.name != leader]
         await asyncio.gather(*(c.stop(grace) for c in standbys))
@@ -599,13 +777,21 @@ class HaStack:
                 row["route_port"] = child.route_port
             if child.role == "controller":
                 row["leads"] = child.name == self.leader
+                row["nats"] = self.links.urls(child.name)  # its relays, one per server
+                row["relays"] = self.links.ports(child.name)
+                row["cut"] = self.links.is_cut(child.name)
             rows.append(row)
         return rows
 
     def _write_processes(self) -> None:
         from .security.pki import write_private
 
-        data = {"nats": self.urls, "gateway": self.gateway_url, "processes": self.processes()}
+        data = {
+            "nats": self.urls,
+            "gateway": self.gateway_url,
+            "control": self.links.control,  # "" when the socket could not be made
+            "processes": self.processes(),
+        }
         write_private(self.data_dir / PROCESSES_FILE, json.dumps(data, indent=2).encode())
 
     def _summary(self) -> None:
@@ -667,6 +853,10 @@ class HaStack:
             "  kill any of them for a try: requests keep being served, a standby leads within "
             "the lease (3 s),",
             "  and `up` starts the killed process again (it prints the new pid).",
+            "  partition:   the controllers reach NATS through relays of `up`; `gpumesh chaos` "
+            "cuts the leader off",
+            f'               (controller_partition; or hold {{"cut": "ctl-0"}} open on '
+            f"{self.data_dir / CONTROL_SOCKET})",
             "  watch:       gpumesh controller status   |   gpumesh nodes   |   "
             "gpumesh events tail -f",
         ]

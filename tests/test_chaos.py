@@ -319,11 +319,18 @@ def _up_ha_json(data_dir: Path, nats: str) -> None:
         {"role": "nats-server", "name": f"nats-{i}", "pid": 100 + i, "port": 4222 + i}
         for i in range(3)
     ] + [
-        {"role": "controller", "name": "ctl-0", "pid": 200, "port": None},
-        {"role": "controller", "name": "ctl-1", "pid": 201, "port": None},
+        {"role": "controller", "name": f"ctl-{i}", "pid": 200 + i, "port": None,
+         "relays": {f"nats-{j}": 5000 + 10 * i + j for j in range(3)}}
+        for i in range(2)
+    ] + [
         {"role": "gateway", "name": "gw-0", "pid": 300, "port": 8099},
-    ]
-    text = {"nats": nats, "gateway": "http://127.0.0.1:8099", "processes": rows}
+    ]  # fmt: skip
+    text = {
+        "nats": nats,
+        "gateway": "http://127.0.0.1:8099",
+        "control": str(data_dir / "up-ha.sock"),
+        "processes": rows,
+    }
     (data_dir / "up-ha.json").write_text(json.dumps(text))
 
 
@@ -344,8 +351,14 @@ def test_up_ha_is_found_from_its_processes_file(tmp_path: Path) -> None:
     assert "ctl-0 pid 200, ctl-1 pid 201" in steps[0]["action"]
     assert steps[1]["action"].startswith("gpumesh up --ha only: SIGSTOP")
     assert "nats-0 pid 100" in steps[2]["action"]
-    assert steps[3]["action"] == kinds.CANNOT_PARTITION
-    assert [s["action"] for s in plan(scenario, 1, Found())][:3] == [kinds.NEEDS_HA] * 3
+    assert layout.named("controller")[1].relays == (("nats-0", 5010), ("nats-1", 5011),
+                                                    ("nats-2", 5012))  # fmt: skip
+    assert layout.control == str(tmp_path / "up-ha.sock")
+    assert steps[3]["action"].startswith("gpumesh up --ha only: cut the controller")
+    assert "ctl-1 pid 201 through :5010, :5011, :5012" in steps[3]["action"]
+    assert [s["action"] for s in plan(scenario, 1, Found())] == [kinds.NEEDS_HA] * 3 + [
+        kinds.CANNOT_PARTITION
+    ]
 
 
 def test_a_failover_is_over_at_the_leases_next_term_or_renewal() -> None:
@@ -412,3 +425,65 @@ def test_the_report_says_each_failover() -> None:
         "leads (term 12); requests 40 sent, 2 failed (2 before the first byte): "
         "AttemptsExhausted 2; sent 2.1-2.4 s after the fault"
     ) in text
+
+
+async def test_ups_control_socket_holds_a_cut_while_its_connection_is_open(
+    tmp_path: Path,
+) -> None:
+    """gpumesh/up_ha.py's ControllerLinks and chaos's Cut, with relays to a stand-in server:
+    a cut holds one controller's relays (and only its) until healed, or until the connection
+    that asked closes; a name it does not know is refused."""
+    from types import SimpleNamespace
+
+    from gpumesh.chaos.errors import ChaosError
+    from gpumesh.chaos.ha import Cut
+    from gpumesh.up_ha import ControllerLinks
+    from tests.integration.up_process import until
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1024):
+            writer.write(data)
+        writer.close()
+
+    target = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = int(target.sockets[0].getsockname()[1])
+    servers = [
+        SimpleNamespace(name=f"nats-{i}", port=port, server=SimpleNamespace(url=f"tls://x:{i}"))
+        for i in range(3)
+    ]
+    links = ControllerLinks(tmp_path, ("ctl-0", "ctl-1"), servers)
+    await links.listen()
+    ports = links.ports("ctl-0")
+    assert links.urls("ctl-0") == ",".join(f"tls://127.0.0.1:{p}" for p in ports.values())
+    async with asyncio.TaskGroup() as tasks:
+        serving = tasks.create_task(links.serve())
+        await links.serving.wait()
+        assert links.control == str(tmp_path / "up-ha.sock")
+        reader, writer = await asyncio.open_connection("127.0.0.1", ports["nats-1"])
+
+        cut = await Cut.open(links.control, "ctl-0")
+        assert cut.connections == 1 and links.is_cut("ctl-0") and not links.is_cut("ctl-1")
+        assert all(relay.is_cut for relay in links.relays["ctl-0"].values())
+        assert not any(relay.is_cut for relay in links.relays["ctl-1"].values())
+        writer.write(b"held")
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(reader.readexactly(4), timeout=0.2)
+        await cut.heal()
+        assert not links.is_cut("ctl-0")
+        assert await asyncio.wait_for(reader.readexactly(4), timeout=5) == b"held"
+
+        with pytest.raises(ChaosError, match="NAME one of ctl-0, ctl-1"):
+            await Cut.open(links.control, "ctl-9")
+        dropped = await Cut.open(links.control, "ctl-1")
+        assert links.is_cut("ctl-1")
+        dropped.drop()  # a chaos that died: `up` heals the cut on its own
+
+        async def healed() -> bool:
+            return not links.is_cut("ctl-1")
+
+        await until(healed, 5, "the cut healed once its connection closed")
+        writer.close()
+        serving.cancel()
+    target.close()
+    await target.wait_closed()
+    assert not (tmp_path / "up-ha.sock").exists()

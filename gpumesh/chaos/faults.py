@@ -20,12 +20,14 @@ from events.contract.messages import Fault
 from sim.scenario import FaultPlan
 from sim.timeline import End, FaultTimeline
 
+from .errors import ChaosError
 from .ha import (
     LEADS_AGAIN_WITHIN_S,
     LEASE_POLL_S,
     Failover,
     LeaseReader,
     describe_lease,
+    direct_servers,
     peer_ports,
 )
 from .kinds import (
@@ -34,6 +36,7 @@ from .kinds import (
     HA_KINDS,
     NEEDS_HA,
     NETWORK_ONLY,
+    NO_CONTROL,
     RESTARTS,
 )
 from .procfs import Proc, kill_workload, send_signal, workloads_of
@@ -124,12 +127,14 @@ class RealFaults:
             self._nats_outage(fault)
         elif kind == "gateway_partition":
             run.note(f"skip   {kind}: {NETWORK_ONLY}")
-        elif kind == "controller_partition":
+        elif kind == "controller_partition" and self.stack.ha is None:
             run.note(f"skip   {kind}: {CANNOT_PARTITION}")
         elif kind in HA_KINDS and self.stack.ha is None:
             run.note(f"skip   {kind}: {NEEDS_HA}")
         elif kind in ("leader_crash", "leader_pause"):
             await self._leader_fault(fault)
+        elif kind == "controller_partition":
+            await self._controller_partition(fault)
         elif kind == "nats_server_loss":
             await self._nats_server_loss()
         elif kind == "churn":
@@ -320,6 +325,59 @@ class RealFaults:
             self._later(fault, f"{what}: SIGCONT {ctl.pid}", thaw)
         self._watch(failover)
 
+    async def _controller_partition(self, fault: FaultPlan) -> None:
+        """Cut the controller that leads off from NATS (up's relays: a blackhole), and heal
+        after duration_s; measured as leader_pause is: until a controller leads in a new term."""
+        run, stack = self.run, self.stack
+        layout = stack.ha_layout()
+        if layout is None or not layout.control:
+            run.note(f"skip   controller_partition: {NO_CONTROL}")
+            return
+        lease = await self.lease.read()
+        if lease is None:
+            run.note("skip   controller_partition: no controller leads now (the lease is not held)")
+            return
+        ctl = stack.ha_process("controller", lease.leader)
+        if ctl is None:
+            run.note(f"skip   controller_partition: no process of controller {lease.leader} runs")
+            return
+        what = f"controller_partition {describe_lease(lease)}"
+        failover = Failover(
+            "controller_partition",
+            run.now(),
+            f"controller {ctl.name} (pid {ctl.pid})",
+            lease,
+            renewal_counts=False,
+        )
+        try:
+            cut = await stack.cut_off(ctl.name)
+        except ChaosError as exc:
+            run.note(f"skip   controller_partition: {exc}")
+            return
+        relays = ", ".join(f"{server} :{port}" for server, port in ctl.relays)
+        run.note(
+            f"fault  {what}: its relays to NATS ({relays}) carry nothing, both ways; "
+            f"{cut.connections} connection(s) held open"
+        )
+        direct = direct_servers(ctl, layout)
+        if direct:
+            # nats-py added the servers the cluster advertises to the relays it was given, and
+            # moved to one of them at some reconnection: the relays do not carry that one.
+            run.note(
+                f"WARN   controller_partition: {ctl.name} is also connected to nats-server "
+                f"{', '.join(direct)} directly (learned from the cluster's INFO): not cut"
+            )
+
+        async def heal() -> None:
+            try:
+                await stack.heal(ctl.name)
+            except ChaosError as exc:  # the connection is closed: `up` heals it on its own
+                run.note(f"end    {what}: up did not confirm the heal: {exc}")
+            failover.thawed = True
+
+        self._later(fault, f"{what}: healed", heal)
+        self._watch(failover)
+
     async def _nats_server_loss(self) -> None:
         """SIGKILL one of the three nats-servers, drawn as the simulator draws it."""
         run = self.run
@@ -333,7 +391,9 @@ class RealFaults:
         leader = self.stack.ha_process("controller", lease.leader) if lease else None
         on_it = ""
         if leader is not None and dead.port is not None:
-            on = dead.port in peer_ports(leader.pid)
+            # Directly, or through its relay to that server (up --ha: ControllerLinks).
+            ports = {dead.port, *(port for name, port in leader.relays if name == dead.name)}
+            on = bool(ports & peer_ports(leader.pid))
             on_it = f", {'connected' if on else 'not connected'} to it"
         failover = Failover(
             "nats_server_loss",

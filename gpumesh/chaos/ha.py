@@ -9,12 +9,19 @@ here without touching its stream: KvLease makes sure of the stream first, with a
 as the server it asks reports, which while a server is down would be two.
 
 A controller leads again after a fault when the lease is written again: by a new term (after
-the leader's crash or pause), or, after the loss of a NATS server, by any write after the
-fault (the leader renewing through another server, or a new term).
+the leader's crash, pause or partition), or, after the loss of a NATS server, by any write
+after the fault (the leader renewing through another server, or a new term).
+
+A partition (`controller_partition`) goes through `up`'s control socket (up-ha.json's
+`control`, DATA_DIR/up-ha.sock: gpumesh/up_ha.py, ControllerLinks): `Cut.open` sends
+`{"cut": NAME}` and keeps the connection open, which holds the controller's relays cut (a
+blackhole); `Cut.heal` shuts its side and reads `{"ok": true, "healed": NAME}`. The cut lasts
+no longer than the connection: a chaos that dies leaves no controller cut off.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from dataclasses import dataclass, field
@@ -23,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from .errors import ChaosError
 from .procfs import alive, cmdline, flag, gpumesh_args, resolve
 
 if TYPE_CHECKING:
@@ -32,6 +40,7 @@ PROCESSES_FILE = "up-ha.json"  # gpumesh/up_ha.py: PROCESSES_FILE
 LEASE_TTL_S = 3.0  # actors/leadership.py: the lease's time to live
 LEASE_POLL_S = 0.05
 LEADS_AGAIN_WITHIN_S = 30.0  # a failover not seen by then is reported as such
+CONTROL_TIMEOUT_S = 5.0  # up's control socket answers at once
 
 
 @dataclass(frozen=True)
@@ -40,15 +49,19 @@ class HaProcess:
     name: str  # nats-0, ctl-0, gw-0, node-0
     pid: int
     port: int | None = None  # a nats-server's client port
+    # A controller's relays, one per nats-server: ((server name, relay port), ...)
+    relays: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
 class HaLayout:
-    """What up-ha.json says: the cluster's URLs, the gateway, the processes."""
+    """What up-ha.json says: the cluster's URLs, the gateway, the processes, and the control
+    socket that cuts a controller off ("" if `up` has none)."""
 
     nats: str
     gateway: str
     processes: tuple[HaProcess, ...]
+    control: str = ""
 
     def named(self, role: str) -> list[HaProcess]:
         return sorted((p for p in self.processes if p.role == role), key=lambda p: p.name)
@@ -68,16 +81,26 @@ def read_layout(data_dir: Path, nats_url: str | None = None) -> HaLayout | None:
                     str(p["name"]),
                     int(p["pid"]),
                     int(p["port"]) if p.get("port") is not None else None,
+                    tuple(sorted((str(k), int(v)) for k, v in (p.get("relays") or {}).items())),
                 )
                 for p in data["processes"]
                 if p.get("pid") is not None
             ),
+            control=str(data.get("control") or ""),
         )
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if nats_url is not None and _urls(layout.nats) != _urls(nats_url):
         return None
     return layout
+
+
+def direct_servers(ctl: HaProcess, layout: HaLayout) -> list[str]:
+    """The nats-servers `ctl` is connected to directly, not through its relays: a server it
+    learned from the cluster's INFO (nats-py adds the servers a cluster advertises to those it
+    was given, and may reconnect to one of them). A cut of its relays does not reach those."""
+    ports = peer_ports(ctl.pid)
+    return [s.name for s in layout.named("nats-server") if s.port is not None and s.port in ports]
 
 
 def _urls(text: str) -> set[str]:
@@ -233,6 +256,75 @@ class Failover:
             "outcome": self.outcome,
             "requests": self.requests,
         }
+
+
+# -- a partition ------------------------------------------------------------------------------
+
+
+class Cut:
+    """One controller cut off from NATS by `up --ha`'s relays, for as long as this is open
+    (module docstring)."""
+
+    def __init__(
+        self, controller: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self.controller = controller
+        self.connections = 0  # what its relays held open when cut
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def open(cls, control: str, controller: str) -> Cut:
+        """Cut `controller` off; ChaosError if `up` cannot (or says no)."""
+        try:
+            async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                reader, writer = await asyncio.open_unix_connection(control)
+                cut = cls(controller, reader, writer)
+                try:
+                    writer.write(json.dumps({"cut": controller}).encode() + b"\n")
+                    await writer.drain()
+                    answer = await cut._answer()
+                except BaseException:
+                    cut.drop()
+                    raise
+        except (OSError, TimeoutError) as exc:
+            raise ChaosError(
+                f"up's control socket {control}: {exc or type(exc).__name__}"
+            ) from None
+        if not answer.get("ok"):
+            cut.drop()
+            raise ChaosError(f"up's control socket refused: {answer.get('error', answer)}")
+        cut.connections = int(answer.get("connections") or 0)
+        return cut
+
+    async def _answer(self) -> dict[str, Any]:
+        line = await self._reader.readline()
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise ChaosError(f"up's control socket answered {line[:200]!r}")
+        return answer
+
+    async def heal(self) -> None:
+        """The controller reaches NATS again: shut our side, read up's word that it healed.
+        If `up` does not answer, the connection is closed anyway, which heals it as well."""
+        try:
+            async with asyncio.timeout(CONTROL_TIMEOUT_S):
+                self._writer.write_eof()
+                answer = await self._answer()
+            if answer.get("healed") != self.controller:
+                raise ChaosError(f"up's control socket answered {answer} to the heal")
+        except (OSError, TimeoutError) as exc:
+            why = str(exc) or type(exc).__name__
+            raise ChaosError(f"heal {self.controller}: {why}") from None
+        finally:
+            self.drop()
+
+    def drop(self) -> None:
+        """Close the connection without waiting: `up` heals the cut when it sees it closed."""
+        self._writer.transport.abort()
 
 
 def describe_lease(lease: Lease | None) -> str:

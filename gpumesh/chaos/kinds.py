@@ -11,11 +11,17 @@ IN_UP_HA = (
 )
 NEEDS_HA = "skipped: needs a stack of `gpumesh up --ha` (two controllers, three nats-servers)"
 CANNOT_PARTITION = (
-    "skipped: cutting one process off from NATS needs network control (root: iptables or a "
-    "network namespace); SIGSTOP would be leader_pause, not a partition (simulator only)"
+    "skipped: needs a stack of `gpumesh up --ha`, whose controllers reach NATS through relays "
+    "it owns; elsewhere cutting one process off from NATS needs network control (root: "
+    "iptables or a network namespace), and SIGSTOP would be leader_pause, not a partition"
+)
+NO_CONTROL = (
+    "skipped: this `gpumesh up --ha` names no control socket in up-ha.json (an older `up`, or "
+    "it could not make DATA_DIR/up-ha.sock): it cannot cut a controller off"
 )
 RESTARTS = "gpumesh up --ha starts it again after 1 s"
-HA_KINDS = ("leader_crash", "leader_pause", "nats_server_loss")  # against `gpumesh up --ha`
+# against `gpumesh up --ha`
+HA_KINDS = ("leader_crash", "leader_pause", "nats_server_loss", "controller_partition")
 CRASH_LOOP_EVERY_S = 0.5
 
 KIND_ACTIONS: dict[str, str] = {
@@ -43,7 +49,13 @@ KIND_ACTIONS: dict[str, str] = {
     "nats_outage": "approximation: SIGSTOP the stack's nats-server (every client's connection "
     "goes silent); SIGCONT after duration_s",
     "gateway_partition": NETWORK_ONLY,
-    "controller_partition": CANNOT_PARTITION,
+    "controller_partition": "gpumesh up --ha only: cut the controller that holds the leader "
+    "lease off from NATS for duration_s (without one, until the run ends) through `up`'s "
+    "control socket. Each controller reaches NATS only through relays `up` owns; the leader's "
+    "stop carrying bytes both ways (a blackhole, not a refusal: its connections stay open and "
+    "stall, new ones are held, so it finds out only by its own timeouts), then carry again, "
+    "the held bytes arriving late as after a real partition. No root needed. Measured: the "
+    "time until a controller leads in a new term",
     "leader_crash": "gpumesh up --ha only: SIGKILL the controller that holds the leader lease "
     "when the fault fires (gpumesh up --ha starts it again after 1 s, whatever duration_s); "
     "measured: the time until a controller leads in a new term",

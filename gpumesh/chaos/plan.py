@@ -14,7 +14,16 @@ from sim.scenario import NODE_FAULTS, Scenario
 from sim.timeline import End, FaultTimeline
 
 from .ha import HaLayout, read_layout
-from .kinds import HA_KINDS, IN_UP, IN_UP_HA, KIND_ACTIONS, NEEDS_HA, RESTARTS
+from .kinds import (
+    CANNOT_PARTITION,
+    HA_KINDS,
+    IN_UP,
+    IN_UP_HA,
+    KIND_ACTIONS,
+    NEEDS_HA,
+    NO_CONTROL,
+    RESTARTS,
+)
 from .procfs import Found, flag, scan
 from .stack import NodeState, draw
 
@@ -74,8 +83,18 @@ def _step(
     if kind in NODE_FAULTS:
         step["victims"] = []
     action = KIND_ACTIONS[kind]
-    if kind in HA_KINDS and ha is None:
+    if kind == "controller_partition" and ha is None:
+        action = CANNOT_PARTITION
+    elif kind in HA_KINDS and ha is None:
         action = NEEDS_HA
+    elif kind == "controller_partition" and ha is not None and not ha.control:
+        action = NO_CONTROL
+    elif kind == "controller_partition" and ha is not None:
+        relays = "; ".join(
+            f"{p.name} pid {p.pid} through " + ", ".join(f":{port}" for _, port in p.relays)
+            for p in ha.named("controller")
+        )
+        action += f" (the controllers now: {relays}; the lease says who leads when it fires)"
     elif kind in ("leader_crash", "leader_pause") and ha is not None:
         pids = ", ".join(f"{p.name} pid {p.pid}" for p in ha.named("controller"))
         action += f" (the controllers now: {pids}; the lease says who leads when it fires)"

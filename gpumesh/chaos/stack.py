@@ -19,7 +19,8 @@ import msgspec
 from events.contract import subjects
 from events.contract.messages import Fault, FaultReply
 
-from .ha import HaLayout, HaProcess, is_process, read_layout
+from .errors import ChaosError
+from .ha import Cut, HaLayout, HaProcess, is_process, read_layout
 from .kinds import IN_UP, IN_UP_HA
 from .procfs import (
     Proc,
@@ -73,6 +74,7 @@ class Stack:
         self.controller_down: Proc | None = None
         self.restored: list[str] = []  # what restore() did
         self._stopped: dict[int, int] = {}  # pid -> how many faults hold it stopped
+        self.cuts: dict[str, Cut] = {}  # controller -> its partition, held open
 
     def agent(self, node: NodeState) -> Proc | None:
         """The node's live agent process (found again: it may have been started again)."""
@@ -209,6 +211,23 @@ class Stack:
     def ha_process(self, role: str, name: str) -> HaProcess | None:
         return next((p for p in self.ha_processes(role) if p.name == name), None)
 
+    async def cut_off(self, controller: str) -> Cut:
+        """Cut `controller` off from NATS through `up --ha`'s control socket (ha.Cut), until
+        `heal`; ChaosError if it cannot be done."""
+        if controller in self.cuts:
+            raise ChaosError(f"controller {controller} is cut off already")
+        layout = self.ha_layout()
+        if layout is None or not layout.control:
+            raise ChaosError("no control socket of `gpumesh up --ha` (up-ha.json names none)")
+        cut = await Cut.open(layout.control, controller)
+        self.cuts[controller] = cut
+        return cut
+
+    async def heal(self, controller: str) -> None:
+        cut = self.cuts.pop(controller, None)
+        if cut is not None:
+            await cut.heal()
+
     async def gpu_fault(self, node: NodeState, fault: Fault) -> str:
         """Send a fake-GPU fault; "" on success, else why not."""
         from runtime.errors import BusError, NoResponders
@@ -227,10 +246,18 @@ class Stack:
     # -- the end -----------------------------------------------------------------------------
 
     async def restore(self) -> None:
-        """Leave the stack as it was found: continue what is stopped, start what was killed
-        (churn victims and faults with no end included), clear fake-GPU faults. Idempotent;
+        """Leave the stack as it was found: heal what is cut off, continue what is stopped,
+        start what was killed (churn victims and faults with no end included), clear fake-GPU
+        faults. Idempotent;
         what it did is added to `restored`. Call it once no fault is at work any more."""
         done = self.restored
+        for controller in sorted(self.cuts):
+            what = f"controller {controller} reaches NATS again (partition healed)"
+            try:
+                await self.heal(controller)
+            except ChaosError as exc:  # the connection is closed: `up` heals it on its own
+                what += f"; up did not say so: {exc}"
+            done.append(what)
         for pid in sorted(self._stopped):
             send_signal(pid, signal.SIGCONT)
             done.append(f"SIGCONT {pid}")
