@@ -10,7 +10,6 @@ period instead of being declared offline for the time the controller itself was 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -117,6 +116,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         self._grace_from = 0.0  # silence counts from here at the earliest
         self._suspect_for: float | None = None  # the last_seen a suspicion was logged for
         self.cut_off_at: float | None = None  # when this controller lost its bus, if it has
+        self._check_pending = False  # a CheckSilence told and not yet handled
 
     @property
     def last_seen(self) -> float:
@@ -170,6 +170,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         return state
 
     async def on_recovered(self, ctx: ActorContext[NodeMsg]) -> None:
+        self._check_pending = False  # a crash dropped whatever was in the mailbox
         now = ctx.env.clock.monotonic()
         self._grace_from = now
         self._share_verdict()
@@ -178,7 +179,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             self.node_id,
             now,
             lambda at: self._look(ctx, at),
-            on_error=lambda exc: self._tell(ctx, LookFailed(exc)),
+            on_error=lambda exc: self._tell_failed_look(ctx, exc),
         )
 
     async def on_stop(self, ctx: ActorContext[NodeMsg]) -> None:
@@ -196,6 +197,11 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         if ctx.self_ref.stopped:
             return None
         interval = self.policy.heartbeat_interval
+        if self._check_pending:
+            # The last check is still in the mailbox (a loop that lags behind a flood): telling
+            # it again every few milliseconds only lengthens the queue (seen under 20,000
+            # heartbeats/s, docs/performance.md). Look again once it has had a chance to run.
+            return now + interval / 16
         if not self.liveness.hearing:
             return now + interval  # the controller takes no heartbeats in yet: nothing to judge
         if self._at_deadline:
@@ -208,7 +214,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             if self.cut_off_at is not None or (
                 missed_heartbeats(now, self.last_seen, self.policy) >= self._limit
             ):
-                self._tell(ctx, CheckSilence())
+                self._check_pending = self._tell(ctx, CheckSilence())
         if not self.state.registered or self.state.removed:
             return now + interval
         if self.state.health == "offline":
@@ -228,11 +234,17 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
         # Float rounding can leave a deadline a hair short of the threshold: never wait less.
         return now + max(deadline - now, interval / 64)
 
-    def _tell(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> None:
+    def _tell_failed_look(self, ctx: ActorContext[NodeMsg], exc: Exception) -> None:
+        self._tell(ctx, LookFailed(exc))
+
+    def _tell(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> bool:
         # A full mailbox is busy with this node already: the next look, at most a quarter
         # interval later, asks again. (The per-node task this replaced crashed the actor.)
-        with contextlib.suppress(MailboxFull, ActorStopped):
+        try:
             ctx.self_ref.try_tell(msg)
+        except (MailboxFull, ActorStopped):
+            return False
+        return True
 
     async def handle(self, ctx: ActorContext[NodeMsg], msg: NodeMsg) -> object:
         try:
@@ -250,6 +262,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             case Join(register=reg):
                 return await self._on_register(ctx, reg)
             case CheckSilence():
+                self._check_pending = False
                 return await self._on_check(ctx)
             case LookFailed(error=error):
                 raise RuntimeError(f"the silence look failed: {error!r}") from error
