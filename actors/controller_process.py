@@ -196,7 +196,23 @@ class ControllerProcess:
             # The store learns what the leader writes too, so that on taking over its appends
             # find each stream where it is (events/jetstream_store/store.py, observe).
             observe = getattr(self._store, "observe", None)
-            self._follower = asyncio.create_task(self.live.run(observe), name="follow-log")
+            self._follower = asyncio.create_task(
+                self._follow_until_stopped(self.live, observe), name="follow-log"
+            )
+
+    async def _follow_until_stopped(self, live: LiveState, observe: Any) -> None:
+        """Follow the log, and again after a read fails: a standby cut off from NATS for a
+        while (its reads time out) must follow again once NATS answers, or it would take
+        over from a state long behind (seen after a 20 s partition, gpumesh chaos)."""
+        attempt = 0
+        while True:
+            try:
+                await live.run(observe)
+                return  # the store closed
+            except EventStoreError as exc:
+                attempt += 1
+                self._say("follow_failed", attempt=attempt, position=live.position, error=str(exc))
+                await asyncio.sleep(min(2.0, 0.25 * attempt))
 
     async def _stop_following(self) -> None:
         task, self._follower = self._follower, None
