@@ -4,12 +4,15 @@ bench/crashloop.py, not a benchmark of its own).
 The stack, every part its own process on 127.0.0.1: 3 nats-servers joined by routes
 (wire/nats_cluster.py), 2 `gpumesh controller --event-log jetstream` (`ctl-a`, `ctl-b`, each
 with a data directory of its own: they share nothing but NATS, and the log of record is the
-R3 JetStream stream GPUMESH_LOG), N agents with fake GPUs, and `gpumesh gateway`. Client load
-through the gateway (closed-loop clients, half streaming, no retries) and the control API
-workload of bench/_crashloop_common.py run throughout.
+R3 JetStream stream GPUMESH_LOG), N agents with fake GPUs, and two `gpumesh gateway`s. Client
+load through the gateways (closed-loop clients, half streaming; half of them send to one
+gateway first, half to the other, and a request whose gateway refused the connection or closed
+it before any byte of an answer goes to the other, as a load balancer in front of them
+retries: nothing else is retried) and the control API workload of bench/_crashloop_common.py
+run throughout.
 
 The killer draws a victim among {the leading controller, the standby, one nats-server, an
-agent, the gateway}, SIGKILLs it, and starts it again after 0-1 s. Only one nats-server is
+agent, one of the gateways}, SIGKILLs it, and starts it again after 0-1 s. Only one nats-server is
 ever down: before it kills a server it waits until the last one it killed is back and every
 stream's copies are current again (bounded; the wait is reported).
 
@@ -31,8 +34,9 @@ Then it lets everything settle and checks:
     stamped (recorded_at) inside some leader's interval, and in log order the terms those
     intervals belong to never go down (no event of a term after a later term's first event);
     each term's `controller.grace.v1` names the controller that led it;
-  - requests failed before their first byte (a status other than 200 or no connection),
-    counted and attributed to the victim of the last kill before each failure.
+  - requests failed before their first byte (a status other than 200, or no gateway took
+    it), counted and attributed to the victim of the last kill before each failure; and how
+    many were sent to the other gateway.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from wire.nats_server import EmbeddedNats
 
 T = TypeVar("T")
 CONTROLLERS = ("ctl-a", "ctl-b")
+GATEWAYS = ("gateway-a", "gateway-b")
 VICTIMS = ("leader", "standby", "nats", "agent", "gateway")
 HEARTBEAT = "node.heartbeat.v1"
 LEADERSHIP = ("leadership_won", "leadership_lost", "leadership_released")
@@ -114,6 +119,7 @@ class Request:
     error: str = ""
     done: bool = False
     error_event: bool = False
+    other_gateway: bool = False  # its first gateway had gone: sent to the other
 
     @property
     def before_first_byte(self) -> bool:
@@ -128,7 +134,9 @@ class Request:
 class Ha:
     stack: Stack
     workdir: Path
-    gateway: GatewayProcess
+    # Two, as a production setup runs them behind a load balancer or DNS: a client whose
+    # gateway is gone (or went away before answering) sends to the other (client, below).
+    gateways: list[GatewayProcess]
     procs: list[Proc] = field(default_factory=list)  # every controller process, in start order
     kills: list[Kill] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
@@ -206,7 +214,8 @@ async def start_ha(stack: Stack, workdir: Path) -> Ha:
     await stack.start(timeout=90)
     assert stack.controller is not None
     first = Proc("initial", stack.controller, stack.controller.log_path, 0, time.time_ns())
-    ha = Ha(stack, workdir, GatewayProcess(stack), procs=[first])
+    gateways = [GatewayProcess(stack, name=name) for name in GATEWAYS]
+    ha = Ha(stack, workdir, gateways, procs=[first])
     for name in CONTROLLERS:
         ha.start_controller(name)
     await asyncio.sleep(1.0)  # they open and follow the log, and campaign
@@ -220,7 +229,14 @@ async def start_ha(stack: Stack, workdir: Path) -> Ha:
 # -- client load -------------------------------------------------------------------------------
 
 
-async def client(ha: Ha, stream: bool, stop: asyncio.Event) -> None:
+# What a load balancer in front of the gateways retries on another one (haproxy's
+# `retry-on conn-failure empty-response`): the connection failed, or closed before any byte of
+# an answer. As the gateway itself retries a replica: only a request that had not begun.
+_NOT_BEGUN = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
+
+
+async def client(ha: Ha, index: int, stop: asyncio.Event) -> None:
+    stream = index % 2 == 1
     body = {
         "model": "stable",
         "messages": [{"role": "user", "content": "crash loop " * 4}],
@@ -230,19 +246,30 @@ async def client(ha: Ha, stream: bool, stop: asyncio.Event) -> None:
     async with aiohttp.ClientSession(timeout=timeout) as http:
         while not stop.is_set():
             r = Request(stream=stream, start_ns=time.time_ns())
-            try:
-                async with http.post(f"{ha.gateway.url}/v1/chat/completions", json=body) as resp:
-                    r.status = resp.status
-                    data = await resp.read()
-                    if resp.status == 200:
-                        r.done = b"[DONE]" in data if stream else b'"choices"' in data
-                        r.error_event = b"event: error" in data
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                r.error = type(exc).__name__
+            first = index // 2 % len(ha.gateways)  # each gateway first for half the clients
+            order = ha.gateways[first:] + ha.gateways[:first]
+            for gateway in order:
+                r.error = ""
+                try:
+                    url = f"{gateway.url}/v1/chat/completions"
+                    async with http.post(url, json=body) as resp:
+                        r.status = resp.status
+                        data = await resp.read()
+                        if resp.status == 200:
+                            r.done = b"[DONE]" in data if stream else b'"choices"' in data
+                            r.error_event = b"event: error" in data
+                except _NOT_BEGUN as exc:
+                    r.error = type(exc).__name__
+                    if r.status == 0:
+                        r.other_gateway = gateway is not order[-1]
+                        continue
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    r.error = type(exc).__name__
+                break
             r.end_ns = time.time_ns()
             ha.requests.append(r)
             if r.error and r.status == 0:
-                await asyncio.sleep(0.05)  # the gateway is down: do not spin
+                await asyncio.sleep(0.05)  # no gateway answers: do not spin
 
 
 # -- the killer --------------------------------------------------------------------------------
@@ -278,9 +305,9 @@ async def supervise(ha: Ha, stop: asyncio.Event) -> None:
             for node, child in stack.agents.items():
                 if child.popen.poll() is not None:
                     gone.append((f"agent {node}", child.log_path))
-            gateway = ha.gateway.proc
-            if gateway is not None and gateway.poll() is not None:
-                gone.append(("gateway", stack.logs / "gateway.log"))
+            for gw in ha.gateways:
+                if gw.proc is not None and gw.proc.poll() is not None:
+                    gone.append((f"gateway {gw.name}", stack.logs / f"{gw.name}.log"))
             if not gone:
                 continue
             for what, log_path in gone:
@@ -295,7 +322,7 @@ async def supervise(ha: Ha, stop: asyncio.Event) -> None:
                 elif kind == "agent":
                     stack.start_agent(name)
                 else:
-                    ha.gateway.start()
+                    next(gw for gw in ha.gateways if gw.name == name).start()
 
 
 async def killer(ha: Ha, rng: random.Random, count: int) -> None:
@@ -358,12 +385,13 @@ async def _kill_one(
         await asyncio.sleep(pause)
         stack.start_agent(node)
     else:
-        kill.detail = "gateway"
+        gateway = _one(ha.gateways, pick)
+        kill.detail = gateway.name
         kill.at_ns = time.time_ns()
-        await ha.gateway.kill()
+        await gateway.kill()
         await asyncio.sleep(pause)
-        ha.gateway.start()
-        ha.watchers.append(asyncio.create_task(_until_listening(ha.gateway, kill)))
+        gateway.start()
+        ha.watchers.append(asyncio.create_task(_until_listening(gateway, kill)))
     kill.back_ns = time.time_ns()
     ha.kills.append(kill)
     stamp = dt.datetime.fromtimestamp(kill.at_ns / 1e9, dt.UTC).strftime("%H:%M:%S.%f")[:-3]
@@ -765,6 +793,7 @@ def request_figures(ha: Ha) -> dict[str, Any]:
         "succeeded": sum(1 for r in reqs if r.ok),
         "failed_before_first_byte": len(early),
         "failed_after_first_byte": len(late),
+        "sent_to_the_other_gateway": sum(1 for r in reqs if r.other_gateway),
         "failed_before_first_byte_while_no_gateway_listened": sum(
             by_victim.get("gateway (not listening)", Counter()).values()
         ),
@@ -801,9 +830,10 @@ async def run_ha(
             ha.keep = bool(keep)
             say(f"stack up: 3 nats-servers, {' and '.join(CONTROLLERS)}, {agents} agents")
             await stack.create_cluster(echo_spec(2, name="stable"))
-            ha.gateway.start()
+            for gateway in ha.gateways:
+                gateway.start()
             await stack.wait_until(
-                lambda: _gateway_serves(ha), timeout=60, why="the gateway serves `stable`"
+                lambda: _gateway_serves(ha), timeout=60, why="both gateways serve `stable`"
             )
             stop, unsupervised = asyncio.Event(), asyncio.Event()
             supervisor = asyncio.create_task(supervise(ha, unsupervised))
@@ -811,7 +841,7 @@ async def run_ha(
                 async with asyncio.TaskGroup() as tasks:
                     tasks.create_task(operations(stack, rng, ledger, stop))
                     for i in range(clients):
-                        tasks.create_task(client(ha, i % 2 == 1, stop))
+                        tasks.create_task(client(ha, i, stop))
                     await killer(ha, random.Random(seed + 1), kills)
                     say("kills done; settling")
                     await asyncio.sleep(3.0)  # the load sees the stack after the last kill
@@ -827,7 +857,8 @@ async def run_ha(
             if ha is not None:
                 for task in ha.watchers:
                     task.cancel()
-                await ha.gateway.kill()
+                for gateway in ha.gateways:
+                    await gateway.kill()
                 if keep:
                     _write_timeline(ha, workdir / "timeline.json")
             left = await stack.close()
@@ -879,11 +910,13 @@ def _write_timeline(ha: Ha, path: Path) -> None:
 async def _gateway_serves(ha: Ha) -> bool:
     body = {"model": "stable", "messages": [{"role": "user", "content": "up?"}]}
     try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http,
-            http.post(f"{ha.gateway.url}/v1/chat/completions", json=body) as resp,
-        ):
-            return resp.status == 200
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
+            for gateway in ha.gateways:
+                url = f"{gateway.url}/v1/chat/completions"
+                async with http.post(url, json=body) as resp:
+                    if resp.status != 200:
+                        return False
+        return True
     except (aiohttp.ClientError, TimeoutError):
         return False
 
