@@ -8,6 +8,16 @@ Reconciling reads the live fleet state (a fold of the log) and acts through Repl
      nodes, and are stopped only then: the replacement is ready first;
   4. extras beyond `replicas` are stopped, not-ready ones first.
 Each step waits until its own events are folded into live state before the next decision.
+
+Revisions: creating a cluster is revision 1; `Apply` and `Rollback` record the next one
+(`ClusterSpecChanged` with the whole spec). Replicas record the revision they were placed at;
+one whose revision differs from the current in what it runs (anything but `replicas` and
+`rollout`) is outdated, and the rollout (`plan_rollout`) replaces outdated replicas within the
+spec's `max_surge` and `max_unavailable`: new ones are placed, and an old one is stopped only
+while enough others are ready ("replaced by revision N"). When every wanted replica runs the
+current revision and is ready, `ClusterRolledOut` records it. If replicas of the revision being
+rolled out fail `ROLLBACK_AFTER_FAILURES` times first, the cluster rolls back on its own: the
+spec of the last revision that rolled out becomes the next revision, and its reason says why.
 """
 
 from __future__ import annotations
@@ -22,11 +32,13 @@ import msgspec
 from events import (
     ClusterCreated,
     ClusterDeleted,
+    ClusterRolledOut,
     ClusterScaled,
     ClusterSpec,
     ClusterSpecChanged,
     ClusterUnschedulable,
     DomainEvent,
+    RolloutPolicy,
     stream_name,
 )
 from projections.views import NodeView, ReplicaView
@@ -45,10 +57,18 @@ class ClusterError(ControllerError, ValueError):
     """A control request that cannot be honoured (exists already, unknown, deleted)."""
 
 
+# Failures of the workload (readiness, exits, crashes in place) of the revision being rolled
+# out, over all its replicas, after which the cluster rolls back to the last rolled-out one.
+ROLLBACK_AFTER_FAILURES = 3
+
+
 class ClusterState(msgspec.Struct, kw_only=True):
     spec: ClusterSpec | None = None
     deleted: bool = False
     unschedulable: str = ""
+    revision: int = 0  # the current spec's; 1 once created
+    revisions: dict[int, ClusterSpec] = {}  # every revision's spec, as recorded
+    rolled_out: int = 0  # the last revision that rolled out whole; 0: none yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +77,27 @@ class Create:
 
 
 @dataclass(frozen=True, slots=True)
-class Update:
+class Apply:
+    """Record `spec` as the next revision (or create the cluster: revision 1)."""
+
     spec: ClusterSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Rollback:
+    """Record the spec of an earlier revision (`to`; 0: the one before the current) as the
+    next revision, keeping the current replica count and rollout policy."""
+
+    to: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Revised:
+    """What `Apply` and `Rollback` did: the cluster's revision now, and whether it changed."""
+
+    revision: int
+    changed: bool
+    message: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +115,7 @@ class Reconcile:
     pass
 
 
-ClusterMsg = Create | Update | Scale | Delete | Reconcile
+ClusterMsg = Create | Apply | Rollback | Scale | Delete | Reconcile
 
 
 class Fleet(Protocol):
@@ -106,8 +145,91 @@ def _lost(node: NodeView | None) -> bool:
     return node is None or node.health in ("offline", "unhealthy")
 
 
+def template(spec: ClusterSpec) -> ClusterSpec:
+    """What a replica runs: the spec without the count and the rollout policy. Two revisions
+    with the same template need no replacement between them."""
+    return msgspec.structs.replace(spec, replicas=0, rollout=RolloutPolicy())
+
+
+def describe_change(before: ClusterSpec | None, after: ClusterSpec) -> str:
+    """One line: which fields of the spec changed, e.g. `env.GREETING: "a" -> "b"`."""
+    if before is None:
+        return "created"
+    old, new = msgspec.to_builtins(before), msgspec.to_builtins(after)
+    parts: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict | None) and isinstance(b, dict | None) and (a or b):
+            a, b = a or {}, b or {}
+            for sub in sorted(set(a) | set(b)):
+                if a.get(sub) != b.get(sub):
+                    parts.append(f"{key}.{sub}: {_short(a.get(sub))} -> {_short(b.get(sub))}")
+        else:
+            parts.append(f"{key}: {_short(a)} -> {_short(b)}")
+    return "; ".join(parts) or "no change"
+
+
+def _short(value: object) -> str:
+    if value is None:
+        return "(none)"
+    text = msgspec.json.encode(value).decode()
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSlot:
+    """A replica in service, as the rollout plan sees it."""
+
+    replica_id: str
+    current: bool  # runs the current revision's template
+    ready: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutStep:
+    place: int = 0  # new replicas of the current revision
+    stop_outdated: tuple[str, ...] = ()  # replaced by the current revision
+    stop_extra: tuple[str, ...] = ()  # current ones beyond `replicas` (a scale-down meanwhile)
+
+
+def plan_rollout(
+    desired: int, policy: RolloutPolicy, serving: Sequence[RolloutSlot]
+) -> RolloutStep:
+    """One step of replacing outdated replicas, from the replicas in service (oldest first).
+
+    Bounds, at every step: at most `desired + max_surge` replicas in service once the step's
+    placements are made, and at least `desired - max_unavailable` ready once its stops are
+    (if that many were ready before). Outdated replicas that are not ready go first: they serve
+    nobody. A ready outdated one goes only while enough others are ready, so with
+    `max_unavailable = 0` a replacement is ready before an old replica leaves the routing table.
+    """
+    new = [s for s in serving if s.current]
+    old = [s for s in serving if not s.current]
+    if not old:
+        return RolloutStep()
+    extra: list[str] = []
+    if len(new) > desired:
+        order = sorted(range(len(new)), key=lambda i: (new[i].ready, -i))
+        drop = {new[i].replica_id for i in order[: len(new) - desired]}
+        extra = [s.replica_id for s in new if s.replica_id in drop]
+        new = [s for s in new if s.replica_id not in drop]
+    available = sum(s.ready for s in new) + sum(s.ready for s in old)
+    floor = desired - policy.max_unavailable
+    outdated = [s.replica_id for s in old if not s.ready]
+    for s in old:
+        if s.ready and available - 1 >= floor:
+            outdated.append(s.replica_id)
+            available -= 1
+    left = len(new) + len(old) - len(outdated)
+    place = max(0, min(desired + policy.max_surge - left, desired - len(new)))
+    return RolloutStep(place, tuple(outdated), tuple(extra))
+
+
 class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
     snapshot_type = ClusterState
+    snapshot_version = 2  # revisions
 
     def __init__(self, name: str, fleet: Fleet) -> None:
         self.name = name
@@ -123,9 +245,19 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
 
     def evolve(self, state: ClusterState, payload: DomainEvent) -> ClusterState:
         match payload:
-            case ClusterCreated(spec=spec) | ClusterSpecChanged(spec=spec):
+            case ClusterCreated(spec=spec):
                 state.spec = spec
                 state.deleted = False
+                state.revision = 1
+                state.revisions = {1: spec}
+                state.rolled_out = 0
+            case ClusterSpecChanged(spec=spec, revision=revision):
+                state.spec = spec
+                state.deleted = False
+                state.revision = revision or state.revision + 1
+                state.revisions = {**state.revisions, state.revision: spec}
+            case ClusterRolledOut(revision=revision):
+                state.rolled_out = revision
             case ClusterScaled(replicas=replicas) if state.spec is not None:
                 state.spec = msgspec.structs.replace(state.spec, replicas=replicas)
             case ClusterDeleted():
@@ -146,9 +278,10 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                 if self.exists:
                     raise ClusterError(f"cluster {self.name!r} already exists")
                 return await self._persist_and_wait(ctx, [ClusterCreated(spec=spec)])
-            case Update(spec=spec):
-                self._require()
-                return await self._persist_and_wait(ctx, [ClusterSpecChanged(spec=spec)])
+            case Apply(spec=spec):
+                return await self._apply(ctx, spec)
+            case Rollback(to=to):
+                return await self._rollback(ctx, to)
             case Scale(replicas=replicas):
                 spec = self._require()
                 return await self._persist_and_wait(
@@ -159,6 +292,53 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                 return await self._persist_and_wait(ctx, [ClusterDeleted(name=self.name)])
             case Reconcile():
                 return await self._reconcile(ctx)
+
+    async def _apply(self, ctx: ActorContext[ClusterMsg], spec: ClusterSpec) -> Revised:
+        if not self.exists:
+            await self._persist_and_wait(ctx, [ClusterCreated(spec=spec)])
+            return Revised(1, True, f"created cluster {self.name} (revision 1)")
+        current = self._require()
+        if spec == current:
+            revision = self.state.revision
+            return Revised(revision, False, f"unchanged: the spec is revision {revision}'s")
+        revision = self.state.revision + 1
+        change = ClusterSpecChanged(spec=spec, revision=revision, reason="applied")
+        await self._persist_and_wait(ctx, [*self._rolled_out_now(), change])
+        ctx.log.info("cluster_revised", revision=revision, change=describe_change(current, spec))
+        return Revised(revision, True, f"recorded revision {revision}")
+
+    async def _rollback(self, ctx: ActorContext[ClusterMsg], to: int) -> Revised:
+        current = self._require()
+        revision = self.state.revision
+        if to == 0:
+            if revision <= 1:
+                raise ClusterError(f"cluster {self.name!r} has no revision before {revision}")
+            to = revision - 1
+        if to == revision:
+            raise ClusterError(
+                f"revision {to} is the current revision of cluster {self.name!r}: "
+                f"nothing to roll back to"
+            )
+        earlier = self.state.revisions.get(to)
+        if earlier is None:
+            raise ClusterError(
+                f"unknown revision {to} of cluster {self.name!r} (revisions: 1..{revision})"
+            )
+        spec = msgspec.structs.replace(earlier, replicas=current.replicas, rollout=current.rollout)
+        if spec == current:
+            return Revised(revision, False, f"unchanged: revision {to}'s spec is the current one")
+        change = ClusterSpecChanged(
+            spec=spec, revision=revision + 1, reason=f"rollback to revision {to}", rollback_to=to
+        )
+        await self._persist_and_wait(ctx, [*self._rolled_out_now(), change])
+        ctx.log.info("cluster_rolled_back", revision=revision + 1, to=to)
+        return Revised(revision + 1, True, f"revision {revision + 1}: the spec of revision {to}")
+
+    def _current(self, replica: ReplicaView) -> bool:
+        """Whether a replica runs what the current revision runs (unknown revisions do)."""
+        placed = self.state.revisions.get(replica.revision or 1)
+        spec = self.state.spec
+        return placed is None or spec is None or template(placed) == template(spec)
 
     def _require(self) -> ClusterSpec:
         if not self.exists or self.state.spec is None:
@@ -184,9 +364,14 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                 return await self._stop_active(spec, mine)
             failed = await self._fail_on_lost_nodes(spec, mine)
             mine = [replicas[r.replica_id] for r in mine]
+            if await self._roll_back_if_failing(ctx, spec, mine):
+                return failed + 1  # the next pass rolls out the revision it recorded
             placed, mine = await self._bring_up(ctx, spec, mine)
+            rolled, mine = await self._roll(ctx, spec, mine)
             stopped = await self._retire(spec, mine)
-            return failed + placed + stopped
+            mine = [replicas[r.replica_id] for r in mine]
+            await self._note_rolled_out(ctx, spec, mine)
+            return failed + placed + rolled + stopped
 
     async def _stop_active(self, spec: ClusterSpec, mine: list[ReplicaView]) -> int:
         actions = last = 0
@@ -246,6 +431,118 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         ]
         return placed, refreshed + added
 
+    async def _roll_back_if_failing(
+        self, ctx: ActorContext[ClusterMsg], spec: ClusterSpec, mine: list[ReplicaView]
+    ) -> bool:
+        """Replicas of the revision being rolled out failed too often: record the spec of the
+        last revision that rolled out as the next revision, and say why."""
+        state = self.state
+        revision, stable = state.revision, state.rolled_out
+        if stable in (0, revision):
+            return False  # nothing rolls out, or nothing ever rolled out to go back to
+        failing = [r for r in mine if r.revision == revision and r.crashes]
+        failures = sum(r.crashes for r in failing)
+        if failures < ROLLBACK_AFTER_FAILURES:
+            return False
+        target = state.revisions.get(stable)
+        if target is None or template(target) == template(spec):
+            return False  # it runs that revision's spec already: going back changes nothing
+        last = max(failing, key=lambda r: r.version)
+        why = last.failure_reason or "crashed"
+        if last.failure_detail:
+            why += f": {last.failure_detail}"
+        reason = (
+            f"automatic rollback to revision {stable}: replicas of revision {revision} failed "
+            f"{failures} times during its rollout (last: {last.replica_id} {why})"
+        )
+        rollback = msgspec.structs.replace(target, replicas=spec.replicas, rollout=spec.rollout)
+        change = ClusterSpecChanged(
+            spec=rollback, revision=revision + 1, reason=reason, rollback_to=stable
+        )
+        await self._persist_and_wait(ctx, [change])
+        ctx.log.warning("cluster_rolled_back", revision=revision + 1, to=stable, why=reason)
+        return True
+
+    async def _roll(
+        self, ctx: ActorContext[ClusterMsg], spec: ClusterSpec, mine: list[ReplicaView]
+    ) -> tuple[int, list[ReplicaView]]:
+        """Replace outdated replicas in service, one `plan_rollout` step."""
+        nodes = self.fleet.live.state.nodes.nodes
+        serving = [r for r in mine if r.status in ACTIVE and _good(nodes.get(r.node_id))]
+        slots = [RolloutSlot(r.replica_id, self._current(r), r.status == "ready") for r in serving]
+        step = plan_rollout(spec.replicas, spec.rollout, slots)
+        if step == RolloutStep():
+            return 0, mine
+        # Stops first, so the surge bound holds at every event, not only after the step.
+        by_id = {r.replica_id: r for r in mine}
+        actions = last = 0
+        for rid in step.stop_outdated:
+            why = f"replaced by revision {self.state.revision}"
+            last = max(last, await self._tell(by_id[rid], Stop(why), spec))
+            actions += 1
+        for rid in step.stop_extra:
+            last = max(last, await self._tell(by_id[rid], Stop("scaled down"), spec))
+            actions += 1
+        await self.fleet.live.wait_for(last)
+        if step.place:
+            retry = [r for r in mine if r.status == "failed"]  # slots first, as in bring-up
+            placed, blocked = await self._place(ctx, spec, step.place, retry, mine)
+            actions += placed
+            blocked_why = (
+                f"rolling out revision {self.state.revision}: {blocked.reason}" if blocked else ""
+            )
+            if blocked is not None and blocked_why != self.state.unschedulable:
+                unschedulable = ClusterUnschedulable(
+                    name=self.name,
+                    missing=step.place - placed,
+                    reason=blocked_why,
+                    candidates=blocked.candidates,
+                )
+                await self._persist_and_wait(ctx, [unschedulable])
+        replicas = self.fleet.live.state.replicas.replicas
+        known = set(by_id)
+        refreshed = [replicas[r.replica_id] for r in mine]
+        added = [
+            r for r in replicas.values() if r.cluster == self.name and r.replica_id not in known
+        ]
+        return actions, refreshed + added
+
+    def _fully_rolled_out(self, spec: ClusterSpec, mine: list[ReplicaView]) -> bool:
+        """Every wanted replica runs the current revision and is ready (and no other runs)."""
+        nodes = self.fleet.live.state.nodes.nodes
+        active = [r for r in mine if r.status in ACTIVE]
+        if not all(self._current(r) for r in active):
+            return False
+        ready = [r for r in active if r.status == "ready" and _good(nodes.get(r.node_id))]
+        return len(ready) >= spec.replicas
+
+    def _rolled_out_now(self) -> list[DomainEvent]:
+        """`ClusterRolledOut` for the current revision if it has rolled out and that is not
+        recorded yet: written with the next revision, so an automatic rollback of that one
+        knows where to go back to. (Revision 1 is recorded only then: a cluster that is never
+        revised writes nothing more than it did before revisions.)"""
+        spec, revision = self.state.spec, self.state.revision
+        if spec is None or self.state.rolled_out == revision:
+            return []
+        mine = [
+            r for r in self.fleet.live.state.replicas.replicas.values() if r.cluster == self.name
+        ]
+        if not self._fully_rolled_out(spec, mine):
+            return []
+        return [ClusterRolledOut(name=self.name, revision=revision)]
+
+    async def _note_rolled_out(
+        self, ctx: ActorContext[ClusterMsg], spec: ClusterSpec, mine: list[ReplicaView]
+    ) -> None:
+        """A revision after the first has rolled out: record it once."""
+        revision = self.state.revision
+        if revision <= 1 or self.state.rolled_out == revision:
+            return
+        if not self._fully_rolled_out(spec, mine):
+            return
+        await self._persist_and_wait(ctx, [ClusterRolledOut(name=self.name, revision=revision)])
+        ctx.log.info("cluster_rolled_out", revision=revision, replicas=spec.replicas)
+
     async def _retire(self, spec: ClusterSpec, mine: list[ReplicaView]) -> int:
         """Steps 3 and 4: replicas on degraded or drained nodes stop once replacements are
         ready; then extras on good nodes stop, not-ready and newest first."""
@@ -260,7 +557,10 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                     last = max(last, await self._tell(r, Stop(why), spec))
                     actions += 1
         serving = [r for r in mine if r.status in ACTIVE and _good(nodes.get(r.node_id))]
-        extra = len(serving) - spec.replicas
+        # While outdated replicas serve, the rollout's plan decides what leaves: its surge
+        # replicas are not extras.
+        rolling = not all(self._current(r) for r in serving)
+        extra = 0 if rolling else len(serving) - spec.replicas
         if extra > 0:
             order = sorted(serving, key=lambda r: (r.status == "ready", -_ordinal(r)))
             for r in order[:extra]:
@@ -312,6 +612,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                     gpu_indices=decision.gpu_indices,
                     why=decision.why,
                     candidates=decision.candidates,
+                    revision=self.state.revision,
                 ),
                 timeout=30.0,
                 expect=list,

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from events import ClusterCreated, ClusterScaled, ClusterSpec, ClusterSpecChanged, stream_name
 from events.catalog import HEARTBEAT_TYPE
 from events.contract import subjects
 from events.contract.messages import (
@@ -14,6 +15,7 @@ from events.contract.messages import (
     DrainRequest,
     EventsRequest,
     NameRequest,
+    RollbackRequest,
     ScaleRequest,
 )
 from events.errors import EventStoreError, StoreFull
@@ -21,7 +23,16 @@ from projections import FleetState
 from projections.views import NodeView
 from runtime.env import Msg
 
-from .cluster_actor import ClusterError, Create, Delete, Scale
+from .cluster_actor import (
+    Apply,
+    ClusterError,
+    Create,
+    Delete,
+    Revised,
+    Rollback,
+    Scale,
+    describe_change,
+)
 from .node_actor import Drain, NotRemovable, Remove, Undrain
 from .spec import SpecError, from_mapping
 
@@ -42,6 +53,9 @@ class ControlApi:
             "cluster.get": self._get,
             "cluster.scale": self._scale,
             "cluster.delete": self._delete,
+            "cluster.apply": self._apply,
+            "cluster.history": self._history,
+            "cluster.rollback": self._rollback,
             "node.list": self._nodes,
             "node.drain": self._drain,
             "node.undrain": self._undrain,
@@ -78,6 +92,63 @@ class ControlApi:
         ref = await self.controller.cluster(spec.name)
         await ref.ask(Create(spec), timeout=30.0)
         return self._cluster(spec.name)
+
+    async def _apply(self, body: bytes) -> Any:
+        spec = from_mapping(msgspec.json.decode(body))
+        ref = await self.controller.cluster(spec.name)
+        done = await ref.ask(Apply(spec), timeout=30.0, expect=Revised)
+        return self._revised(spec.name, done)
+
+    async def _rollback(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=RollbackRequest)
+        if req.to < 0:
+            raise SpecError(f"to: must be a revision number (1 or more), got {req.to}")
+        self._known(req.name)
+        ref = await self.controller.cluster(req.name)
+        done = await ref.ask(Rollback(req.to), timeout=30.0, expect=Revised)
+        return self._revised(req.name, done)
+
+    def _revised(self, name: str, done: Revised) -> dict[str, Any]:
+        return {**self._cluster(name), "changed": done.changed, "message": done.message}
+
+    async def _history(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=NameRequest)
+        self._known(req.name)
+        envelopes = await self.controller.env.store.read_stream(stream_name("cluster", req.name))
+        revisions: list[dict[str, Any]] = []
+        previous: ClusterSpec | None = None
+        for envelope in envelopes:
+            match envelope.payload:
+                case ClusterCreated(spec=spec):
+                    revisions, previous = [], None  # created again after a delete: a new life
+                    number, reason, to = 1, "created", 0
+                case ClusterSpecChanged(spec=spec, revision=revision, reason=reason):
+                    number = revision or (revisions[-1]["revision"] + 1 if revisions else 1)
+                    to = envelope.payload.rollback_to
+                case ClusterScaled(replicas=replicas) if previous is not None:
+                    # Not a revision, but what ran before the next one: its change is against it.
+                    previous = msgspec.structs.replace(previous, replicas=replicas)
+                    continue
+                case _:
+                    continue
+            revisions.append(
+                {
+                    "revision": number,
+                    "recorded_at": envelope.recorded_at,
+                    "reason": reason,
+                    "rollback_to": to,
+                    "change": describe_change(previous, spec),
+                    "spec": msgspec.to_builtins(spec),
+                }
+            )
+            previous = spec
+        view = self.state.clusters.clusters[req.name]
+        return {
+            "name": req.name,
+            "revision": view.revision,
+            "rolled_out": view.rolled_out,
+            "revisions": revisions,
+        }
 
     async def _scale(self, body: bytes) -> Any:
         req = msgspec.json.decode(body, type=ScaleRequest)
@@ -176,6 +247,8 @@ class ControlApi:
             "name": name,
             "desired": view.spec.replicas,
             "ready": sum(1 for r in replicas if r.status == "ready"),
+            "revision": view.revision,
+            "rolled_out": view.rolled_out,
             "unschedulable": view.unschedulable,
             "spec": msgspec.to_builtins(view.spec),
             "replicas": [
@@ -183,6 +256,7 @@ class ControlApi:
                     "replica_id": r.replica_id,
                     "node_id": r.node_id,
                     "epoch": r.epoch,
+                    "revision": r.revision or 1,
                     "status": r.status,
                     "address": r.address,
                     "why": r.why,

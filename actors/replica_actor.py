@@ -50,6 +50,7 @@ class Place:
     gpu_indices: tuple[int, ...]
     why: str
     candidates: tuple[Candidate, ...] = field(default=())
+    revision: int = 0  # the cluster spec's revision this placement runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +209,7 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
                     epoch=epoch,
                     why=msg.why,
                     candidates=msg.candidates,
+                    revision=msg.revision,
                 )
             ],
         )

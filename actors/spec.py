@@ -50,6 +50,13 @@ def validate(spec: ClusterSpec) -> None:
         ("port", not 0 <= spec.port <= 65535, f"must be 0..65535, got {spec.port}"),
         ("command", not spec.command and not spec.image, "give a command or an image"),
         ("health_path", not spec.health_path.startswith("/"), "must start with /"),
+        ("rollout.max_surge", spec.rollout.max_surge < 0, "must not be negative"),
+        ("rollout.max_unavailable", spec.rollout.max_unavailable < 0, "must not be negative"),
+        (
+            "rollout",
+            spec.rollout.max_surge == 0 and spec.rollout.max_unavailable == 0,
+            "max_surge and max_unavailable cannot both be 0 (nothing could be replaced)",
+        ),
     ]
     for field_name, bad, why in problems:
         if bad:

@@ -14,11 +14,13 @@ from .catalog import (
 from .cluster import (
     ClusterCreated as ClusterCreated,
     ClusterDeleted as ClusterDeleted,
+    ClusterRolledOut as ClusterRolledOut,
     ClusterScaled as ClusterScaled,
     ClusterSpec as ClusterSpec,
     ClusterSpecChanged as ClusterSpecChanged,
     ClusterUnschedulable as ClusterUnschedulable,
     GpuRequirement as GpuRequirement,
+    RolloutPolicy as RolloutPolicy,
 )
 from .controller import (
     TERMS_STREAM as TERMS_STREAM,

@@ -9,6 +9,7 @@ import msgspec
 from .cluster import (
     ClusterCreated,
     ClusterDeleted,
+    ClusterRolledOut,
     ClusterScaled,
     ClusterSpecChanged,
     ClusterUnschedulable,
@@ -38,7 +39,12 @@ NodeEvent: TypeAlias = (
     NodeRegistered | NodeHeartbeat | NodeHealthChanged | NodeDrained | NodeUndrained | NodeRemoved
 )
 ClusterEvent: TypeAlias = (
-    ClusterCreated | ClusterSpecChanged | ClusterScaled | ClusterDeleted | ClusterUnschedulable
+    ClusterCreated
+    | ClusterSpecChanged
+    | ClusterScaled
+    | ClusterDeleted
+    | ClusterUnschedulable
+    | ClusterRolledOut
 )
 ReplicaEvent: TypeAlias = (
     ReplicaPlaced
@@ -64,6 +70,7 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     ClusterScaled,
     ClusterDeleted,
     ClusterUnschedulable,
+    ClusterRolledOut,
     ReplicaPlaced,
     ReplicaStarting,
     ReplicaReady,
@@ -100,7 +107,7 @@ def stream_of(event: DomainEvent) -> str:
         return f"node/{event.node_id}"
     if isinstance(event, _CLUSTER_SPEC_TYPES):
         return f"cluster/{event.spec.name}"
-    if isinstance(event, ClusterScaled | ClusterDeleted | ClusterUnschedulable):
+    if isinstance(event, ClusterScaled | ClusterDeleted | ClusterUnschedulable | ClusterRolledOut):
         return f"cluster/{event.name}"
     if isinstance(event, ControllerGrace):
         return f"controller/{event.controller_id}"

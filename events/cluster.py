@@ -13,6 +13,13 @@ class GpuRequirement(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     count: int = 1  # GPUs per replica
 
 
+class RolloutPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How a new revision replaces the replicas of older ones (a spec's `[rollout]` section)."""
+
+    max_surge: int = 1  # replicas of the new revision beyond `replicas` while it rolls out
+    max_unavailable: int = 0  # ready replicas the rollout may take below `replicas`
+
+
 class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a user declares: what to run, on which GPUs, how many replicas."""
 
@@ -30,6 +37,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # Regions a replica may be placed in (a hard filter); empty allows any. Added after v1 was
     # written, so older logs decode with the default and mean what they meant: anywhere.
     regions: tuple[str, ...] = ()
+    # How a change of this spec rolls out. Added after v1 was written: older logs decode with
+    # the default (one extra replica at a time, none taken away before its replacement is ready).
+    rollout: RolloutPolicy = RolloutPolicy()
 
 
 class ClusterCreated(
@@ -41,7 +51,26 @@ class ClusterCreated(
 class ClusterSpecChanged(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.spec_changed.v1"
 ):
+    """A new revision of the cluster's spec (`cluster apply`, `cluster rollback`, or an automatic
+    rollback): the whole spec, its revision number and why. Creating a cluster is revision 1.
+
+    `revision`, `reason` and `rollback_to` were added after the tag was defined (nothing wrote
+    it then); a row without `revision` is the revision after the one before it."""
+
     spec: ClusterSpec
+    revision: int = 0
+    reason: str = ""  # "applied", "rollback to revision 2", "automatic rollback ...: why"
+    rollback_to: int = 0  # the earlier revision whose spec this one restores; 0: none
+
+
+class ClusterRolledOut(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.rolled_out.v1"
+):
+    """Every replica the cluster wants runs `revision` and is ready: the revision an automatic
+    rollback returns to."""
+
+    name: str
+    revision: int
 
 
 class ClusterScaled(

@@ -40,6 +40,9 @@ class ReplicaPlaced(
     epoch: int
     why: str = ""  # the winner and why, in one line
     candidates: tuple[Candidate, ...] = ()  # the others, in summary
+    # The cluster's spec revision this placement runs (ClusterSpecChanged.revision). Added
+    # after v1 was written: 0 in older rows, which predate revisions (so revision 1).
+    revision: int = 0
 
 
 class ReplicaStarting(

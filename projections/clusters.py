@@ -7,6 +7,7 @@ import msgspec
 from events import (
     ClusterCreated,
     ClusterDeleted,
+    ClusterRolledOut,
     ClusterScaled,
     ClusterSpecChanged,
     ClusterUnschedulable,
@@ -19,8 +20,22 @@ from .views import Clusters, ClusterView
 
 def apply(state: Clusters, envelope: Envelope) -> Clusters:
     match envelope.payload:
-        case ClusterCreated(spec=spec) | ClusterSpecChanged(spec=spec):
+        case ClusterCreated(spec=spec):
             state.clusters[spec.name] = ClusterView(spec=spec, version=envelope.version)
+        case ClusterSpecChanged(spec=spec, revision=revision):
+            view = state.clusters.get(spec.name)
+            previous = view.revision if view is not None else 0
+            state.clusters[spec.name] = ClusterView(
+                spec=spec,
+                version=envelope.version,
+                revision=revision or previous + 1,
+                rolled_out=view.rolled_out if view is not None else 0,
+            )
+        case ClusterRolledOut(name=name, revision=revision):
+            view = state.clusters.get(name)
+            if view is not None:
+                view.rolled_out = revision
+                view.version = envelope.version
         case ClusterScaled() as scaled:
             view = state.clusters.get(scaled.name)
             if view is not None:

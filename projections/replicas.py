@@ -18,12 +18,19 @@ from events import (
 
 from .views import Replicas, ReplicaView
 
+# The failures that are the workload's own (not its node's): what a bad revision causes.
+WORKLOAD_FAILURES = frozenset(
+    ("workload_exited", "readiness_timeout", "liveness_failed", "start_failed")
+)
+
 
 def apply(state: Replicas, envelope: Envelope) -> Replicas:
     payload = envelope.payload
     if isinstance(payload, ReplicaPlaced):
         current = state.replicas.get(payload.replica_id)
         if current is None or payload.epoch > current.epoch:
+            # A slot placed again at the same revision keeps its count: the revision failed.
+            same = current is not None and payload.revision and current.revision == payload.revision
             state.replicas[payload.replica_id] = ReplicaView(
                 replica_id=payload.replica_id,
                 cluster=payload.cluster,
@@ -32,6 +39,8 @@ def apply(state: Replicas, envelope: Envelope) -> Replicas:
                 gpu_indices=payload.gpu_indices,
                 why=payload.why,
                 version=envelope.version,
+                revision=payload.revision,
+                crashes=current.crashes if same and current is not None else 0,
             )
         return state
     if not isinstance(
@@ -44,12 +53,16 @@ def apply(state: Replicas, envelope: Envelope) -> Replicas:
     view.version = envelope.version
     match payload:
         case ReplicaStarting(port=port):
+            if view.status == "ready" and view.revision:
+                view.crashes += 1  # it was serving and restarts in place: a crash
             view.status = "starting"
             view.port = port
         case ReplicaReady(address=address):
             view.status = "ready"
             view.address = address
         case ReplicaFailed(reason=reason, detail=detail):
+            if reason in WORKLOAD_FAILURES and view.revision and view.status != "failed":
+                view.crashes += 1
             view.status = "failed"
             view.failure_reason = reason
             view.failure_detail = detail

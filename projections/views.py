@@ -42,6 +42,8 @@ class ClusterView(msgspec.Struct, kw_only=True):
     spec: ClusterSpec
     unschedulable: str = ""  # why the last placement attempt found no node
     version: int = 0
+    revision: int = 1  # the spec's revision (cluster.spec_changed.v1); creating it is 1
+    rolled_out: int = 0  # the last revision every wanted replica ran, ready; 0: none yet
 
 
 class ReplicaView(msgspec.Struct, kw_only=True):
@@ -57,6 +59,10 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     failure_detail: str = ""
     why: str = ""
     version: int = 0
+    revision: int = 0  # the cluster spec's revision it runs; 0: placed before revisions
+    # Failures of the workload at this revision (readiness, exits, crashes in place), over
+    # this slot's placements at it: what an automatic rollback counts.
+    crashes: int = 0
 
 
 class NodeRegistry(msgspec.Struct, kw_only=True):

@@ -219,6 +219,13 @@ class NameRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     name: str
 
 
+class RollbackRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """`cluster.rollback`: record an earlier revision's spec as the next revision."""
+
+    name: str
+    to: int = 0  # the revision to go back to; 0: the one before the current
+
+
 class DrainRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     node_id: str
 
