@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from events import ClusterSpec
 from events.contract import subjects
 from events.contract.messages import ApiReply
 from wire.commandline import add_creds_argument, credentials, nats_for
@@ -78,6 +80,12 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help="this controller's name in the leader lease and its event stream (default: the "
         "host name and the process id)",
     )
+    ctl.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: 127.0.0.1; "
+        "default: none; docs/metrics.md)",
+    )
     _health_args(ctl)
     ctl.set_defaults(handler=run_controller, daemon=True)
     about = ctl.add_subparsers(dest="controller_command", metavar="SUBCOMMAND")
@@ -94,7 +102,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     cluster = commands.add_parser(
         "cluster",
         parents=list(parents),
-        help="create, list, show, scale and delete clusters",
+        help="create, apply, list, show, scale, roll back and delete clusters",
         description="Clusters through the control API.",
     )
     verbs = cluster.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND", required=True)
@@ -107,6 +115,39 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     create.add_argument("-f", "--file", required=True, type=Path, help="the spec (TOML)")
     create.add_argument("--json", action="store_true")
     create.set_defaults(handler=cluster_create)
+    apply = verbs.add_parser(
+        "apply",
+        parents=common,
+        help="record a new revision of a cluster's spec and roll it out",
+        description="Record the spec as the cluster's next revision (or create the cluster) and "
+        "replace its replicas within the spec's [rollout] max_surge and max_unavailable. "
+        "An identical spec records nothing and says so.",
+    )
+    apply.add_argument("-f", "--file", required=True, type=Path, help="the spec (TOML)")
+    apply.add_argument("--json", action="store_true")
+    apply.set_defaults(handler=cluster_apply)
+    history = verbs.add_parser(
+        "history",
+        parents=common,
+        help="a cluster's revisions",
+        description="List a cluster's revisions: number, when, why and what changed.",
+    )
+    history.add_argument("name")
+    history.add_argument("--json", action="store_true")
+    history.set_defaults(handler=cluster_history)
+    rollback = verbs.add_parser(
+        "rollback",
+        parents=common,
+        help="roll a cluster back to an earlier revision",
+        description="Record an earlier revision's spec (keeping the current replica count and "
+        "rollout policy) as the next revision, and roll it out.",
+    )
+    rollback.add_argument("name")
+    rollback.add_argument(
+        "--to", type=int, default=0, metavar="REV", help="the revision (default: the previous one)"
+    )
+    rollback.add_argument("--json", action="store_true")
+    rollback.set_defaults(handler=cluster_rollback)
     listing = verbs.add_parser(
         "list",
         parents=common,
@@ -241,6 +282,7 @@ async def run_controller(args: argparse.Namespace) -> int:
 
     from .controller import ControllerConfig
     from .controller_process import ControllerProcess, ProcessConfig
+    from .metrics import LogMetrics, run_process
 
     args.data_dir.mkdir(parents=True, exist_ok=True)
     controller_id = args.controller_id or _default_controller_id()
@@ -256,6 +298,7 @@ async def run_controller(args: argparse.Namespace) -> int:
                     health=health_policy(args),
                     compact_heartbeats_after=args.compact_heartbeats_after,
                     controller_id=controller_id,
+                    metrics=LogMetrics(LoopClock()) if args.metrics_listen else None,
                 ),
                 log=args.event_log,
                 events_db=args.events_db,
@@ -276,7 +319,7 @@ async def run_controller(args: argparse.Namespace) -> int:
                 "lease (`gpumesh controller status`)",
                 file=sys.stderr,
             )
-            await run_until_signal(process.run())
+            await run_until_signal(run_process(process, args.metrics_listen))
         finally:
             await bus.close()
     return 0
@@ -424,18 +467,47 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> int:
     return 0
 
 
-async def cluster_create(args: argparse.Namespace) -> int:
+def _read_spec(path: Path) -> ClusterSpec:
     try:
-        spec = parse_toml(args.file.read_text(), source=str(args.file))
+        return parse_toml(path.read_text(), source=str(path))
     except FileNotFoundError:
-        raise CommandFailed(f"no such spec file: {args.file}") from None
+        raise CommandFailed(f"no such spec file: {path}") from None
     except SpecError as exc:
         # A TOML error names the file already (it is the parser's `source`); a field error not.
-        where = f"{args.file}: "
+        where = f"{path}: "
         message = str(exc)
         raise CommandFailed(message if message.startswith(where) else where + message) from None
+
+
+async def cluster_create(args: argparse.Namespace) -> int:
+    spec = _read_spec(args.file)
     data = await call(args, "cluster.create", spec)
     return _emit(args, data, f"created cluster {spec.name} ({spec.replicas} replicas)")
+
+
+async def cluster_apply(args: argparse.Namespace) -> int:
+    spec = _read_spec(args.file)
+    data = await call(args, "cluster.apply", spec)
+    return _emit(args, data, f"{spec.name}: {data['message']}")
+
+
+async def cluster_history(args: argparse.Namespace) -> int:
+    data = await call(args, "cluster.history", {"name": args.name})
+    rows = [f"{'REVISION':>8}  {'RECORDED':20}  {'REASON':28}  CHANGE"]
+    for r in data["revisions"]:
+        marks = " (current)" if r["revision"] == data["revision"] else ""
+        if r["revision"] == data["rolled_out"]:
+            marks += " (rolled out)"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["recorded_at"] / 1e9))
+        rows.append(f"{r['revision']:>8}  {when:20}  {r['reason'][:28]:28}  {r['change']}{marks}")
+    return _emit(args, data, "\n".join(rows))
+
+
+async def cluster_rollback(args: argparse.Namespace) -> int:
+    if args.to < 0:
+        raise CommandFailed(f"--to: must be a revision number (1 or more), got {args.to}")
+    data = await call(args, "cluster.rollback", {"name": args.name, "to": args.to})
+    return _emit(args, data, f"{args.name}: {data['message']}")
 
 
 async def cluster_list(args: argparse.Namespace) -> int:

@@ -9,7 +9,10 @@ its own and works with any controller that answers on NATS.
     POST   /clusters              cluster.create   body: a ClusterSpec mapping     -> 201
     GET    /clusters              cluster.list                                     -> 200
     GET    /clusters/{name}       cluster.get                                      -> 200
+    PUT    /clusters/{name}       cluster.apply    body: a ClusterSpec mapping     -> 200 (201: new)
     PATCH  /clusters/{name}       cluster.scale    body: {"replicas": N}           -> 200
+    GET    /clusters/{name}/history  cluster.history                               -> 200
+    POST   /clusters/{name}/rollback cluster.rollback body: {"to": REV} (optional) -> 200
     DELETE /clusters/{name}       cluster.delete                                   -> 200
     GET    /nodes                 node.list                                        -> 200
     POST   /nodes/{id}/drain      node.drain                                       -> 200
@@ -84,6 +87,12 @@ class ScaleBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`PATCH /clusters/{name}`."""
 
     replicas: int
+
+
+class RollbackBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /clusters/{name}/rollback`; an empty body rolls back to the previous revision."""
+
+    to: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class EventsQuery(msgspec.Struct, frozen=True):
@@ -269,7 +278,10 @@ def control_app(
     app.router.add_post("/clusters", api.create_cluster, name="clusters")
     app.router.add_get("/clusters", api.list_clusters)
     app.router.add_get("/clusters/{name}", api.get_cluster, name="cluster")
+    app.router.add_put("/clusters/{name}", api.apply_cluster)
     app.router.add_patch("/clusters/{name}", api.scale_cluster)
+    app.router.add_get("/clusters/{name}/history", api.cluster_history)
+    app.router.add_post("/clusters/{name}/rollback", api.rollback_cluster)
     app.router.add_delete("/clusters/{name}", api.delete_cluster)
     app.router.add_get("/nodes", api.list_nodes)
     app.router.add_post("/nodes/{node_id}/drain", api.drain_node)
@@ -406,6 +418,41 @@ class _ControlApi:
             raise invalid(f"body: not valid JSON ({exc})", "$") from None
         name = request.match_info["name"]
         return _ok(await self.call("cluster.scale", {"name": name, "replicas": body.replicas}))
+
+    async def apply_cluster(self, request: web.Request) -> web.Response:
+        raw = await read_body(request, self.body_timeout)
+        name = request.match_info["name"]
+        try:
+            body = msgspec.json.decode(raw, type=dict[str, Any])
+        except msgspec.ValidationError as exc:  # before DecodeError: it is one
+            raise invalid(f"body: {exc}", "$") from None
+        except msgspec.DecodeError as exc:
+            raise invalid(f"body: not valid JSON ({exc})", "$") from None
+        named = body.setdefault("name", name)
+        if named != name:
+            raise invalid(f"name: the body names {named!r}, the path {name!r}", "$.name")
+        cluster = await self.call("cluster.apply", body)
+        created = isinstance(cluster, dict) and cluster.get("revision") == 1 and cluster["changed"]
+        return _ok(cluster, 201 if created else 200)
+
+    async def cluster_history(self, request: web.Request) -> web.Response:
+        return _ok(await self.call("cluster.history", {"name": request.match_info["name"]}))
+
+    async def rollback_cluster(self, request: web.Request) -> web.Response:
+        raw = await read_body(request, self.body_timeout)
+        try:
+            body = msgspec.json.decode(raw or b"{}", type=RollbackBody)
+        except msgspec.ValidationError as exc:  # before DecodeError: it is one
+            raise validation_error(exc) from None
+        except msgspec.DecodeError as exc:
+            raise invalid(f"body: not valid JSON ({exc})", "$") from None
+        request_body = {"name": request.match_info["name"], "to": body.to}
+        try:
+            return _ok(await self.call("cluster.rollback", request_body))
+        except ControlError as exc:
+            if exc.status == 400 and not exc.field:
+                exc.field = "$.to"  # an unknown revision, or the current one
+            raise
 
     async def delete_cluster(self, request: web.Request) -> web.Response:
         return _ok(await self.call("cluster.delete", {"name": request.match_info["name"]}))
