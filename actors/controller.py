@@ -13,7 +13,7 @@ import math
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -50,6 +50,9 @@ from .node_actor import Beat, Drain, Join, NodeActor, NodeMsg
 from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report, Suspect
 from .silence_watch import SilenceWatch
 
+if TYPE_CHECKING:
+    from .metrics import LogMetrics
+
 T = TypeVar("T")
 
 LEASE_INDEX_REFRESH_S = 0.25
@@ -75,6 +78,8 @@ class ControllerConfig:
     # The leadership term this controller runs in (actors/leadership.py); 0 when it holds no
     # lease. Its commands and leases carry it, and agents drop those of older terms.
     term: int = 0
+    # Counts what the live state folds, for Prometheus (actors/metrics.py); None: nothing.
+    metrics: LogMetrics | None = None
 
 
 class Controller:
@@ -189,7 +194,8 @@ class Controller:
     async def _serve_all(self, extra: list[Callable[[], Coroutine[Any, Any, None]]] | None) -> None:
         async with ActorSystem(self.env) as system, asyncio.TaskGroup() as tasks:
             self._system = system
-            tasks.create_task(self.live.run(), name="live-state")
+            observe = self.config.metrics.observe if self.config.metrics is not None else None
+            tasks.create_task(self.live.run(observe), name="live-state")
             tasks.create_task(self.heartbeats.run(), name="heartbeats")
             await self._respawn()
             bus = self.env.bus

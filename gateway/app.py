@@ -12,12 +12,13 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from runtime.env import Bus
 
 from .auth import KeyRing
 from .control_routes import control_app
-from .metrics import CONTENT_TYPE, Registry
+from .metrics import CONTENT_TYPE, render
 from .proxy import OPENAI_PATHS, Proxy, openai_error
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -27,7 +28,7 @@ def build_app(
     proxy: Proxy,
     bus: Bus,
     keys: KeyRing,
-    registry: Registry,
+    registry: CollectorRegistry,
     *,
     ready: Callable[[], bool],
     max_body_bytes: int,
@@ -41,7 +42,7 @@ def build_app(
     app.router.add_route("*", "/c/{cluster}", proxy.passthrough)
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=registry.render(), headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=render(registry), headers={"Content-Type": CONTENT_TYPE})
 
     async def healthz(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

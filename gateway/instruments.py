@@ -4,87 +4,136 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .metrics import Registry, Sample
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from .metrics import DEFAULT_BUCKETS, Children
 from .router import Router
 
 # Seconds. LLM answers run from milliseconds (embeddings) to minutes (long generations).
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+LATENCY_BUCKETS = DEFAULT_BUCKETS
+
+_IN_FLIGHT = "gpumesh_gateway_in_flight_requests"
+_EJECTED = "gpumesh_gateway_replica_ejected"
 
 
 class Instruments:
-    def __init__(self, registry: Registry, router: Router) -> None:
+    def __init__(self, registry: CollectorRegistry, router: Router) -> None:
         self.registry = registry
         self._router = router
-        self._requests = registry.counter(
-            "gpumesh_gateway_requests_total",
-            "Requests answered, by cluster and HTTP status (0: the client went away first).",
-            ("cluster", "status"),
+        self._requests = Children(
+            Counter(
+                "gpumesh_gateway_requests_total",
+                "Requests answered, by cluster and HTTP status (0: the client went away first).",
+                ("cluster", "status"),
+                registry=registry,
+            )
         )
-        self._latency = registry.histogram(
-            "gpumesh_gateway_request_duration_seconds",
-            "From arrival to the last byte of the answer.",
-            ("cluster",),
-            buckets=LATENCY_BUCKETS,
+        self._latency = Children(
+            Histogram(
+                "gpumesh_gateway_request_duration_seconds",
+                "From arrival to the last byte of the answer.",
+                ("cluster",),
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            )
         )
-        self._first_byte = registry.histogram(
-            "gpumesh_gateway_time_to_first_byte_seconds",
-            "From arrival until the replica's answer began (the first token, for streams).",
-            ("cluster",),
-            buckets=LATENCY_BUCKETS,
+        self._first_byte = Children(
+            Histogram(
+                "gpumesh_gateway_time_to_first_byte_seconds",
+                "From arrival until the replica's answer began (the first token, for streams).",
+                ("cluster",),
+                buckets=LATENCY_BUCKETS,
+                registry=registry,
+            )
         )
-        self._retries = registry.counter(
-            "gpumesh_gateway_retries_total",
-            "Attempts beyond the first, by the failure that caused them.",
-            ("cluster", "reason"),
+        self._retries = Children(
+            Counter(
+                "gpumesh_gateway_retries_total",
+                "Attempts beyond the first, by the failure that caused them.",
+                ("cluster", "reason"),
+                registry=registry,
+            )
         )
-        self._ejections = registry.counter(
-            "gpumesh_gateway_ejections_total",
-            "Replicas taken out of this gateway's routing after consecutive failures.",
-            ("cluster", "reason"),
+        self._ejections = Children(
+            Counter(
+                "gpumesh_gateway_ejections_total",
+                "Replicas taken out of this gateway's routing after consecutive failures.",
+                ("cluster", "reason"),
+                registry=registry,
+            )
         )
-        self._stream_broken = registry.counter(
-            "gpumesh_gateway_stream_errors_total",
-            "Answers that broke off after the client got the first byte.",
-            ("cluster",),
+        self._stream_broken = Children(
+            Counter(
+                "gpumesh_gateway_stream_errors_total",
+                "Answers that broke off after the client got the first byte.",
+                ("cluster",),
+                registry=registry,
+            )
         )
-        self._rate_limited = registry.counter(
-            "gpumesh_gateway_rate_limited_total",
-            "Requests refused with 429, by tenant.",
-            ("tenant",),
+        self._rate_limited = Children(
+            Counter(
+                "gpumesh_gateway_rate_limited_total",
+                "Requests refused with 429, by tenant.",
+                ("tenant",),
+                registry=registry,
+            )
         )
-        registry.collector(self._replica_samples)
+        # Statuses as label text, made once: str(int) per request is measurable here.
+        self._status_text: dict[int, str] = {}
+        registry.register(_ReplicaCollector(router))
 
     def request(self, cluster: str, status: int, seconds: float) -> None:
-        self._requests.inc(cluster, str(status))
-        self._latency.observe(seconds, cluster)
+        text = self._status_text.get(status)
+        if text is None:
+            text = self._status_text[status] = str(status)
+        self._requests(cluster, text).inc()
+        self._latency(cluster).observe(seconds)
 
     def first_byte(self, cluster: str, seconds: float) -> None:
-        self._first_byte.observe(seconds, cluster)
+        self._first_byte(cluster).observe(seconds)
 
     def retry(self, cluster: str, reason: str) -> None:
-        self._retries.inc(cluster, reason)
+        self._retries(cluster, reason).inc()
 
     def ejection(self, cluster: str, reason: str) -> None:
-        self._ejections.inc(cluster, reason)
+        self._ejections(cluster, reason).inc()
 
     def stream_broken(self, cluster: str) -> None:
-        self._stream_broken.inc(cluster)
+        self._stream_broken(cluster).inc()
 
     def rate_limited(self, tenant: str) -> None:
-        self._rate_limited.inc(tenant)
+        self._rate_limited(tenant).inc()
 
-    def _replica_samples(self) -> Iterator[Sample]:
+
+class _ReplicaCollector:
+    """Per replica, at scrape time, from the router: nothing on the data path."""
+
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def describe(self) -> list[Metric]:
+        return list(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        in_flight, ejected = self._families()
         for route, stats in self._router.stats():
-            labels = {"replica": route.replica_id, "node": route.node_id}
-            yield Sample(
-                "gpumesh_gateway_in_flight_requests",
-                labels,
-                stats.outstanding,
-                help="Requests sent to a replica and not finished yet.",
-            )
-            yield Sample(
-                "gpumesh_gateway_replica_ejected",
-                labels,
-                1.0 if self._router.is_ejected(route.replica_id) else 0.0,
-                help="1 while this gateway keeps the replica out of its routing.",
-            )
+            labels = [route.replica_id, route.node_id]
+            in_flight.add_metric(labels, stats.outstanding)
+            ejected.add_metric(labels, 1.0 if self._router.is_ejected(route.replica_id) else 0.0)
+        yield in_flight
+        yield ejected
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        labels = ("replica", "node")
+        return (
+            GaugeMetricFamily(
+                _IN_FLIGHT, "Requests sent to a replica and not finished yet.", labels=labels
+            ),
+            GaugeMetricFamily(
+                _EJECTED,
+                "1 while this gateway keeps the replica out of its routing.",
+                labels=labels,
+            ),
+        )

@@ -29,7 +29,7 @@ from .feed import RoutingFeed
 from .front import Front
 from .http_protocol import GatewayRunner
 from .instruments import Instruments
-from .metrics import Registry
+from .metrics import new_registry
 from .proxy import Affinity, Proxy, ProxySettings
 from .retry import RetryPolicy
 from .router import Ejection, Router, RouterConfig
@@ -91,7 +91,7 @@ class Gateway:
         self.dispatcher = Dispatcher(
             self.router, config.retry, clock, rng, on_ejection=self._on_ejection
         )
-        self.registry = Registry()
+        self.registry = new_registry()
         self.instruments = Instruments(self.registry, self.router)
         self.transport = self._transport()
         self.proxy = Proxy(

@@ -39,6 +39,7 @@ from wire.errors import WireError
 from .config import AgentConfig
 from .fencing_front import DirectFront, front_path
 from .gpu.probe import FaultInjectable, GpuProbe, ProbeError
+from .metrics import AgentCounters
 from .replica import ReplicaRunner, http_address
 from .tunnel import TunnelServer
 from .workload.base import WorkloadDriver
@@ -147,6 +148,12 @@ class Agent:
         self._leave_now = asyncio.Event()  # a second SIGTERM: go now
         self._runners_changed = asyncio.Event()  # replaced after each replica stopped here
         self._last_sample: tuple[tuple[GpuMetrics, ...], str] = ((), "")
+        self.counters = AgentCounters()  # for Prometheus (nodeagent/metrics.py)
+
+    @property
+    def last_sample(self) -> tuple[tuple[GpuMetrics, ...], str, bool]:
+        """The probe's last readings and error, and whether it was sampled yet (metrics)."""
+        return self._last_sample[0], self._last_sample[1], self._seq > 0
 
     @property
     def registered(self) -> bool:
@@ -327,6 +334,7 @@ class Agent:
         beat = Heartbeat(
             node_id=self.config.node_id,
             seq=self._seq,
+            sent_at_ns=self._env.clock.wall_ns(),  # the controller's heartbeat lag metric
             gpus=gpus,
             probe_error=error,
             replicas=self.replicas(),
@@ -515,6 +523,7 @@ class Agent:
     # Reports.
 
     async def _report(self, state: ReplicaState) -> None:
+        self.counters.reported(state)
         if self._env.buggify("agent.report.lost"):
             return  # as if lost on the wire: the next heartbeat carries the state
         report = ReplicaReport(node_id=self.config.node_id, replica=state)

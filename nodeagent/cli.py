@@ -97,6 +97,12 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         metavar="PORT",
         help="port of this node's HTTP front for the direct transport (default: any free one)",
     )
+    agent.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: 127.0.0.1; "
+        "default: none; docs/metrics.md)",
+    )
     agent.add_argument("--workload-driver", choices=["process", "docker"], default="process")
     agent.add_argument(
         "--stop-grace",
@@ -293,6 +299,7 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
     from wire.nats_commands import JetStreamCommandQueue
 
     from .agent import Agent
+    from .metrics import run_agent as run_with_metrics
 
     url = _nats_url(args)
     try:
@@ -311,7 +318,7 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
         bus.add_reconnect_callback(agent.on_reconnect)
         leaves = config.leave_grace_s > 0
         revoked = await run_until_signal(
-            _until_refused(agent.run(), bus.credentials_refused),
+            _until_refused(run_with_metrics(agent, args.metrics_listen), bus.credentials_refused),
             on_signal=agent.leave if leaves else None,
             cancel=not leaves,
             on_second=agent.force_stop,
