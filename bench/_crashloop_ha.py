@@ -232,7 +232,8 @@ async def start_ha(stack: Stack, workdir: Path) -> Ha:
 # What a load balancer in front of the gateways retries on another one (haproxy's
 # `retry-on conn-failure empty-response`): the connection failed, or closed before any byte of
 # an answer. As the gateway itself retries a replica: only a request that had not begun.
-_NOT_BEGUN = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError)
+# ClientOSError covers a refused connect (ClientConnectorError) and one reset before any answer.
+_NOT_BEGUN = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError)
 
 
 async def client(ha: Ha, index: int, stop: asyncio.Event) -> None:

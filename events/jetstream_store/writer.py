@@ -120,6 +120,19 @@ class Turns:
             mine.release()
 
 
+# (the terms subject, the sequence of the term record) an append is conditional on, or None
+Fence = tuple[str, int] | None
+
+
+def _expect(hdrs: dict[str, str], state: StreamState, fence: Fence) -> None:
+    if fence is None:
+        hdrs[m.EXPECTED_LAST_SUBJECT_SEQ] = str(state.last_seq)
+    else:
+        subject, seq = fence
+        hdrs[m.EXPECTED_LAST_SUBJECT_SEQ] = str(seq)
+        hdrs[m.EXPECTED_SUBJECT] = subject
+
+
 class Writer:
     def __init__(self, api: Api, index: LogIndex, tail: Tail) -> None:
         self._api = api
@@ -130,13 +143,14 @@ class Writer:
         self._batches = 0
         self.turns = Turns()
         self.acked_max = 0  # the highest sequence this store has seen acknowledged
-        # (the terms subject, the sequence of this writer's term record) while fenced
-        self.fence: tuple[str, int] | None = None
+        # (the terms subject, the sequence of this writer's term record) while fenced; each
+        # append keeps the one it was made under
+        self.fence: Fence = None
 
     async def append(self, stream: str, events: Sequence[NewEvent], expected: int) -> list[int]:
         """Append checked events (check_batch passed, not empty)."""
         before, turn = self.turns.take()
-        return await self._in_turn(stream, events, expected, before, turn)
+        return await self._in_turn(stream, events, expected, before, turn, self.fence)
 
     async def append_many(
         self, work: Sequence[tuple[str, Sequence[NewEvent], int]]
@@ -147,6 +161,7 @@ class Writer:
         heartbeats, without a task per append. Any other takes a task, in its turn; once one
         does, those after it do too, so they still send in order."""
         results: list[list[int] | EventStoreError] = [[] for _ in work]
+        fence = self.fence  # what they are made under, whatever it becomes meanwhile
         # (index, what completes it, the lock it holds if it is a coroutine not yet started)
         pending: list[tuple[int, Awaitable[list[int]], asyncio.Lock | None]] = []
         for i, (stream, events, expected) in enumerate(work):
@@ -159,14 +174,16 @@ class Writer:
                 and not state.lock.locked()
                 and expected in (ANY, state.version)
             ):
-                task = self._in_turn(stream, events, expected, before, turn)
+                task = self._in_turn(stream, events, expected, before, turn, fence)
                 pending.append((i, asyncio.ensure_future(task), None))
                 continue
             await state.lock.acquire()  # free: returns without waiting
             try:
                 stored = self._index.already_stored(stream, events)
                 dedupe = not self._index.recently_forgotten(events)
-                sent = None if stored else await self._send_one(stream, state, events, dedupe)
+                sent = (
+                    None if stored else await self._send_one(stream, state, events, dedupe, fence)
+                )
             except EventStoreError as exc:
                 results[i] = self._failed(state, exc, turn)
                 continue
@@ -176,7 +193,7 @@ class Writer:
                 turn.release()
                 continue
             turn.release()
-            rest = self._locked(stream, state, events, expected, turn, sent)
+            rest = self._locked(stream, state, events, expected, turn, fence, sent)
             pending.append((i, rest, state.lock))
         waited = 0
         try:
@@ -209,6 +226,7 @@ class Writer:
         expected: int,
         before: Turn,
         turn: Turn,
+        fence: Fence,
     ) -> list[int]:
         try:
             if not before.sent:
@@ -218,7 +236,7 @@ class Writer:
         except BaseException:
             turn.release()
             raise
-        return await self._locked(stream, state, events, expected, turn)
+        return await self._locked(stream, state, events, expected, turn, fence)
 
     async def _locked(
         self,
@@ -227,6 +245,7 @@ class Writer:
         events: Sequence[NewEvent],
         expected: int,
         turn: Turn,
+        fence: Fence,
         sent: Sent | None = None,
     ) -> list[int]:
         """The rest of an append, with its stream's lock, which it releases (and its turn)."""
@@ -237,7 +256,7 @@ class Writer:
                 stored = self._index.already_stored(stream, events)
                 if stored is not None:
                     return stored
-            return await self._append_locked(stream, state, events, expected, turn, sent)
+            return await self._append_locked(stream, state, events, expected, turn, fence, sent)
         except StoreIOError:
             state.stale = True  # it may have been stored all the same
             raise
@@ -252,13 +271,17 @@ class Writer:
         events: Sequence[NewEvent],
         expected: int,
         turn: Turn,
+        fence: Fence,
         sent: Sent | None,
     ) -> list[int]:
         """Publish until the server stores the events or an answer settles the append.
-        `sent`: a first publish already on its way (append_many's)."""
+        `sent`: a first publish already on its way (append_many's). `fence`: the one the
+        append was made under, kept through every retry: a term that ended meanwhile (its
+        store unfenced, or fenced on a successor's record) must not have its append sent
+        again without it (the HA crash loop saw one land so after a later term's record)."""
         if state.stale and sent is None:
             state.stale = False
-            stored = await self._catch_up(stream, state, events)
+            stored = await self._catch_up(stream, state, events, fence)
             if stored is not None:
                 return stored
         # An id compaction removed may still be in the server's duplicate window.
@@ -275,13 +298,13 @@ class Writer:
                 if caught_up:
                     raise ConcurrencyConflict(stream, expected, state.version)
                 caught_up = True
-                stored = await self._catch_up(stream, state, events)
+                stored = await self._catch_up(stream, state, events, fence)
                 if stored is not None:
                     return stored
                 continue
             else:
                 try:
-                    ack = await self._publish(stream, state, events, dedupe, turn)
+                    ack = await self._publish(stream, state, events, dedupe, turn, fence)
                 except NoStreamResponder:
                     # The stream is electing a leader (its leader's server died): ask again,
                     # for as long as a request may take.
@@ -309,16 +332,16 @@ class Writer:
                 continue
             assert ack.error is not None
             code = ack.error.err_code
-            if code == WRONG_LAST_SEQUENCE and self.fence is not None:
+            if code == WRONG_LAST_SEQUENCE and fence is not None:
                 raise TermEnded(
                     f"event store on NATS stream {self._options.stream}: append to {stream!r} "
-                    f"refused: a newer term than the one recorded at {self.fence[1]} is in the "
+                    f"refused: a newer term than the one recorded at {fence[1]} is in the "
                     f"log ({ack.error.description})"
                 )
             if code == WRONG_LAST_SEQUENCE:
                 caught_up = True
                 known = state.last_seq
-                stored = await self._catch_up(stream, state, events)
+                stored = await self._catch_up(stream, state, events, fence)
                 if stored is not None:
                     return stored
                 if state.last_seq == known:
@@ -342,16 +365,18 @@ class Writer:
         events: Sequence[NewEvent],
         dedupe: bool,
         turn: Turn,
+        fence: Fence,
     ) -> PubAck:
         """Send, give up the turn, then wait for the acknowledgement."""
         if len(events) == 1:
-            sent = await self._send_one(stream, state, events, dedupe)
+            sent = await self._send_one(stream, state, events, dedupe, fence)
             turn.release()
             return await self._acked(events, sent)
         async with self._batch_slots:
             self._index.sending(stream, events)
             try:
-                sent = await self._send_batch(self._options.subject(stream), state, events, dedupe)
+                subject = self._options.subject(stream)
+                sent = await self._send_batch(subject, state, events, dedupe, fence)
             except BaseException:
                 self._index.settled(events)
                 raise
@@ -359,11 +384,16 @@ class Writer:
             return await self._acked(events, sent)
 
     async def _send_one(
-        self, stream: str, state: StreamState, events: Sequence[NewEvent], dedupe: bool
+        self,
+        stream: str,
+        state: StreamState,
+        events: Sequence[NewEvent],
+        dedupe: bool,
+        fence: Fence,
     ) -> Sent:
         event = events[0]
         hdrs = m.headers(event, state.version + 1, dedupe=dedupe)
-        self._expect(hdrs, state)
+        _expect(hdrs, state, fence)
         self._index.sending(stream, events)
         try:
             return await self._api.send(self._options.subject(stream), m.body(event), hdrs)
@@ -378,7 +408,12 @@ class Writer:
             self._index.settled(events)
 
     async def _send_batch(
-        self, subject: str, state: StreamState, events: Sequence[NewEvent], dedupe: bool
+        self,
+        subject: str,
+        state: StreamState,
+        events: Sequence[NewEvent],
+        dedupe: bool,
+        fence: Fence,
     ) -> Sent:
         """An atomic batch. Only its first message carries the expected sequence: the server
         refuses the check on a later message of the same subject (10164), and needs none,
@@ -391,7 +426,7 @@ class Writer:
             hdrs[m.BATCH_ID] = batch_id
             hdrs[m.BATCH_SEQ] = str(i)
             if i == 1:
-                self._expect(hdrs, state)
+                _expect(hdrs, state, fence)
             if i == last:
                 hdrs[m.BATCH_COMMIT] = "1"
                 return await self._api.send(subject, m.body(event), hdrs)
@@ -399,22 +434,14 @@ class Writer:
             await self._api.send_only(subject, m.body(event), hdrs)
         raise AssertionError("a batch has at least two events")
 
-    def _expect(self, hdrs: dict[str, str], state: StreamState) -> None:
-        if self.fence is None:
-            hdrs[m.EXPECTED_LAST_SUBJECT_SEQ] = str(state.last_seq)
-        else:
-            subject, seq = self.fence
-            hdrs[m.EXPECTED_LAST_SUBJECT_SEQ] = str(seq)
-            hdrs[m.EXPECTED_SUBJECT] = subject
-
     async def _catch_up(
-        self, stream: str, state: StreamState, events: Sequence[NewEvent]
+        self, stream: str, state: StreamState, events: Sequence[NewEvent], fence: Fence
     ) -> list[int] | None:
         """Learn the stream's messages past the last one this store knew; then the positions
         of `events` if they turned out to be among them (a retry of an append whose
         acknowledgement was lost), else None."""
         subject = self._options.subject(stream)
-        if self.fence is None:
+        if fence is None:
             # The server checks the stream on the next publish: a copy that lags costs a
             # refusal and another read, never a wrong version.
             msgs = await self._api.read(state.last_seq + 1, _UNBOUNDED, subject)

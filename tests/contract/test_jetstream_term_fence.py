@@ -4,8 +4,10 @@ streams. Run on the nats-server the contract tests share, a stream of their own 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -15,6 +17,7 @@ from events import (
     NO_STREAM,
     TERMS_STREAM,
     ConcurrencyConflict,
+    ControllerGrace,
     LeaderTermBegan,
     NodeDrained,
     NodeHeartbeat,
@@ -180,3 +183,40 @@ async def test_a_fenced_writer_whose_acknowledgement_was_lost_reads_the_leader_f
         assert await leader.append("node/a", [make(note("a", 2))], ANY) == [4]
         assert reads == 2
         assert [e.version for e in await other.read_stream("node/a")] == [1, 2, 3]
+
+
+async def test_an_append_retried_after_its_term_ended_keeps_its_fence(
+    options: JetStreamOptions,
+) -> None:
+    """An append of a term, retried while its stream elects a leader, must not go out again
+    unfenced once the term has ended meanwhile (the HA crash loop saw a grace event of an old
+    term land after a later term's record that way)."""
+    from events.jetstream_store.jsapi import NoStreamResponder
+
+    make = EventMaker()
+    async with opened(options) as old, opened(options) as new:
+        old_store = fenced(old, Lease(), term=1)
+        await old_store.begin_term(make(LeaderTermBegan(controller_id="c1", term=1)))
+        refused_once = asyncio.Event()
+        real_send = old._api.send
+
+        async def leaderless_once(subject: str, data: bytes, hdrs: dict[str, str]) -> Any:
+            if not refused_once.is_set() and subject.endswith("controller.c1"):
+                refused_once.set()
+                raise NoStreamResponder("no stream takes it (electing)")
+            return await real_send(subject, data, hdrs)
+
+        old._api.send = leaderless_once  # type: ignore[method-assign]
+        grace = make(
+            ControllerGrace(controller_id="c1", reason="reconnected", grace_s=5.4, lease_s=2.4)
+        )
+        appending = asyncio.ensure_future(old_store.append("controller/c1", [grace], ANY))
+        await refused_once.wait()
+        # Meanwhile the term ends and a successor records its own.
+        old_store.end_term()
+        await fenced(new, Lease(), term=2).begin_term(
+            make(LeaderTermBegan(controller_id="c2", term=2))
+        )
+        with pytest.raises(Deposed):
+            await appending
+        assert await new.read_stream("controller/c1") == []
