@@ -18,14 +18,12 @@ term's Controller through `ControllerConfig.metrics`, so its counters run across
 from __future__ import annotations
 
 import asyncio
-import sys
 from bisect import bisect_left
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from aiohttp import web
-from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -39,13 +37,13 @@ from events.envelope import Envelope
 from events.replica import ReplicaFailed, ReplicaPlaced
 from projections import FleetState
 from runtime.env import Clock
+from wire.metrics_http import start_metrics
 
 from .errors import ControllerError
 
 if TYPE_CHECKING:
     from .controller_process import ControllerProcess
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 HEALTH_STATES = ("healthy", "suspect", "degraded", "unhealthy", "offline")
 REPLICA_STATUSES = ("pending", "placed", "starting", "ready", "failed", "stopping", "stopped")
@@ -387,46 +385,6 @@ def new_registry(collector: ControllerCollector) -> CollectorRegistry:
     return registry
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """`HOST:PORT`, `[IPV6]:PORT`, or `PORT` alone (127.0.0.1). ValueError with the reason."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", text.strip()
-    if not port.isdigit() or not 0 <= int(port) <= 65535 or (sep and not host):
-        raise ValueError(f"--metrics-listen: expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-async def start_metrics(
-    registry: CollectorRegistry,
-    listen: str,
-    *,
-    before: Callable[[], Awaitable[None]] | None = None,
-    name: str = "controller",
-) -> web.AppRunner:
-    """Serve GET /metrics on `listen` (HOST:PORT) until the runner is cleaned up; says where
-    on stderr. `before`: awaited before each scrape. OSError when it cannot listen there."""
-    host, port = parse_listen(listen)
-    app = web.Application()
-
-    async def metrics(request: web.Request) -> web.Response:
-        if before is not None:
-            await before()
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE})
-
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    bound = runner.addresses[0]
-    print(f"{name}: metrics on http://{bound[0]}:{bound[1]}/metrics", file=sys.stderr)
-    return runner
-
-
 async def run_process(process: ControllerProcess, listen: str | None) -> None:
     """`process.run()`, with its metrics served on `listen` while it runs (None: none)."""
     log = process.config.controller.metrics
@@ -436,7 +394,10 @@ async def run_process(process: ControllerProcess, listen: str | None) -> None:
     source = ProcessSource(process, log)
     try:
         runner = await start_metrics(
-            new_registry(ControllerCollector(source)), listen, before=source.refresh
+            new_registry(ControllerCollector(source)),
+            listen,
+            name="controller",
+            before=source.refresh,
         )
     except ValueError as exc:
         raise ControllerError(str(exc)) from None

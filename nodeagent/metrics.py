@@ -8,16 +8,15 @@ sends anyway. The names are in docs/metrics.md.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from events.contract.messages import ReplicaState
 from events.node import GpuMetrics
+from wire.metrics_http import start_metrics
 
 from .errors import AgentError
 from .gpu.nvml import throttle_names
@@ -25,7 +24,6 @@ from .gpu.nvml import throttle_names
 if TYPE_CHECKING:
     from .agent import Agent
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 THROTTLE_REASONS = throttle_names(0xFFFF)  # every reason NVML names, zero when inactive
 RUN_STATES = ("starting", "ready", "failed", "stopped")
 _MIB = 1024 * 1024
@@ -146,37 +144,6 @@ class AgentCollector:
         )
         registered.add_metric([node], 1.0 if agent.registered else 0.0)
         yield registered
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """`HOST:PORT`, `[IPV6]:PORT`, or `PORT` alone (127.0.0.1). ValueError with the reason."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep:
-        host, port = "127.0.0.1", text.strip()
-    if not port.isdigit() or not 0 <= int(port) <= 65535 or (sep and not host):
-        raise ValueError(f"--metrics-listen: expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-async def start_metrics(registry: CollectorRegistry, listen: str, *, name: str) -> web.AppRunner:
-    """Serve GET /metrics on `listen` until the runner is cleaned up; says where on stderr."""
-    host, port = parse_listen(listen)
-    app = web.Application()
-
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE})
-
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    bound = runner.addresses[0]
-    print(f"{name}: metrics on http://{bound[0]}:{bound[1]}/metrics", file=sys.stderr)
-    return runner
 
 
 async def run_agent(agent: Agent, listen: str | None) -> None:

@@ -13,7 +13,6 @@ from actors.metrics import (
     LogMetrics,
     StaticSource,
     new_registry,
-    parse_listen,
 )
 from events import ClusterSpec, DomainEvent, stream_of
 from events.cluster import ClusterCreated, ClusterScaled
@@ -21,6 +20,7 @@ from events.envelope import Envelope
 from events.node import NodeHealthChanged, NodeHeartbeat, NodeRegistered
 from events.replica import ReplicaFailed, ReplicaPlaced, ReplicaReady
 from projections import FleetState
+from wire.metrics_http import parse_listen
 
 T0 = 1_750_000_000_000_000_000
 MS = 1_000_000
