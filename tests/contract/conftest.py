@@ -7,7 +7,7 @@ import pytest
 
 from events import EventStore, MemoryEventStore
 from events.jetstream_store import JetStreamOptions
-from tests.contract.jetstream import drop
+from tests.contract.jetstream import drop, fresh_options
 
 
 @pytest.fixture(params=["memory", "sqlite", "jetstream"])
@@ -33,3 +33,13 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         await s.close()
         if stream is not None:
             await drop(stream)
+
+
+@pytest.fixture
+async def options() -> AsyncIterator[JetStreamOptions]:
+    """A stream of its own on the shared nats-server, dropped after the test."""
+    o = fresh_options()
+    try:
+        yield o
+    finally:
+        await drop(o)

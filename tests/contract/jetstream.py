@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import tempfile
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -101,3 +101,13 @@ async def drop(options: JetStreamOptions) -> None:
                 await js.delete_stream(name)
     finally:
         await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def opened(options: JetStreamOptions) -> AsyncIterator[JetStreamEventStore]:
+    """A store on `options`, closed on leaving."""
+    store = await open_store(options)
+    try:
+        yield store
+    finally:
+        await store.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -33,7 +32,7 @@ from events import (
 from events.errors import StoreIOError
 from events.jetstream_store import JetStreamEventStore, JetStreamOptions
 from events.jetstream_store.store import _LAST_SEQ
-from tests.contract.jetstream import SharedServer, drop, fresh_options, open_store
+from tests.contract.jetstream import SharedServer, drop, fresh_options, open_store, opened
 from tests.factories import EventMaker
 from wire.nats_server import EmbeddedNats
 
@@ -44,24 +43,6 @@ def hb(node: str, seq: int) -> NodeHeartbeat:
 
 def note(node: str, seq: int) -> NodeDrained:
     return NodeDrained(node_id=node, reason=f"note {seq}")
-
-
-@pytest.fixture
-async def options() -> AsyncIterator[JetStreamOptions]:
-    o = fresh_options()
-    try:
-        yield o
-    finally:
-        await drop(o)
-
-
-@contextlib.asynccontextmanager
-async def opened(options: JetStreamOptions) -> AsyncIterator[JetStreamEventStore]:
-    store = await open_store(options)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 async def test_a_second_store_on_the_stream_sees_the_same_log(options: JetStreamOptions) -> None:

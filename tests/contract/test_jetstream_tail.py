@@ -6,14 +6,11 @@ Run on the nats-server the contract tests share, a stream of their own each."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
-
-import pytest
 
 from events import ANY, NO_STREAM, Envelope, NodeDrained, NodeHeartbeat
 from events.jetstream_store import JetStreamEventStore, JetStreamOptions
-from tests.contract.jetstream import drop, fresh_options, open_store
+from tests.contract.jetstream import opened
 from tests.factories import EventMaker
 
 
@@ -23,24 +20,6 @@ def hb(node: str, seq: int) -> NodeHeartbeat:
 
 def note(node: str, seq: int) -> NodeDrained:
     return NodeDrained(node_id=node, reason=f"note {seq}")
-
-
-@pytest.fixture
-async def options() -> AsyncIterator[JetStreamOptions]:
-    o = fresh_options()
-    try:
-        yield o
-    finally:
-        await drop(o)
-
-
-@contextlib.asynccontextmanager
-async def opened(options: JetStreamOptions) -> AsyncIterator[JetStreamEventStore]:
-    store = await open_store(options)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 class ServerReads:

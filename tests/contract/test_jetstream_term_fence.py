@@ -5,8 +5,6 @@ streams. Run on the nats-server the contract tests share, a stream of their own 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -24,27 +22,9 @@ from events import (
     NodeRegistered,
     TermEnded,
 )
-from events.jetstream_store import JetStreamEventStore, JetStreamOptions
-from tests.contract.jetstream import drop, fresh_options, open_store
+from events.jetstream_store import JetStreamOptions
+from tests.contract.jetstream import opened
 from tests.factories import EventMaker
-
-
-@pytest.fixture
-async def options() -> AsyncIterator[JetStreamOptions]:
-    o = fresh_options()
-    try:
-        yield o
-    finally:
-        await drop(o)
-
-
-@contextlib.asynccontextmanager
-async def opened(options: JetStreamOptions) -> AsyncIterator[JetStreamEventStore]:
-    store = await open_store(options)
-    try:
-        yield store
-    finally:
-        await store.close()
 
 
 class Lease:
