@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from .metrics import LogMetrics
 
 T = TypeVar("T")
+_N = TypeVar("_N", Register, Leaving, ReplicaReport)  # what a node sends on its own subjects
 
 LEASE_INDEX_REFRESH_S = 0.25
 
@@ -370,13 +371,21 @@ class Controller:
             self._leases_at = now
         return self._lease_index
 
-    async def _on_register(self, msg: Msg) -> None:
+    def _from_its_node(self, msg: Msg, kind: type[_N], what: str) -> _N | None:
+        """A node's message decoded, or None (dropped, and counted) when it is too large or
+        names a node other than its subject's."""
         if self._heartbeat_limit.oversized(msg.data):
-            self._drop("oversized", msg, f"a registration of {len(msg.data)} bytes")
-            return
-        reg = msgspec.json.decode(msg.data, type=Register)
-        if reg.node_id != subjects.node_of(msg.subject):
-            self._drop("impersonation", msg, f"register for {reg.node_id} on {msg.subject}")
+            self._drop("oversized", msg, f"a {what} of {len(msg.data)} bytes")
+            return None
+        decoded = msgspec.json.decode(msg.data, type=kind)
+        if decoded.node_id != subjects.node_of(msg.subject):
+            self._drop("impersonation", msg, f"{what} for {decoded.node_id} on {msg.subject}")
+            return None
+        return decoded
+
+    async def _on_register(self, msg: Msg) -> None:
+        reg = self._from_its_node(msg, Register, "registration")
+        if reg is None:
             return
         ref = await self.node(reg.node_id)
         self.liveness.heard(reg.node_id, self.env.clock.monotonic())  # it is talking to us
@@ -391,12 +400,8 @@ class Controller:
     async def _on_leaving(self, msg: Msg) -> None:
         """An agent going away (SIGTERM): drain its node, so that its replicas are replaced
         elsewhere before they stop; it serves until they are, or until its grace is over."""
-        if self._heartbeat_limit.oversized(msg.data):
-            self._drop("oversized", msg, f"a leaving notice of {len(msg.data)} bytes")
-            return
-        leaving = msgspec.json.decode(msg.data, type=Leaving)
-        if leaving.node_id != subjects.node_of(msg.subject):
-            self._drop("impersonation", msg, f"leaving for {leaving.node_id} on {msg.subject}")
+        leaving = self._from_its_node(msg, Leaving, "leaving notice")
+        if leaving is None:
             return
         self.liveness.heard(leaving.node_id, self.env.clock.monotonic())
         if leaving.node_id not in self.live.state.nodes.nodes:
@@ -436,12 +441,8 @@ class Controller:
             )
 
     async def _on_report(self, msg: Msg) -> None:
-        if self._heartbeat_limit.oversized(msg.data):
-            self._drop("oversized", msg, f"a report of {len(msg.data)} bytes")
-            return
-        report = msgspec.json.decode(msg.data, type=ReplicaReport)
-        if report.node_id != subjects.node_of(msg.subject):
-            self._drop("impersonation", msg, f"report for {report.node_id} on {msg.subject}")
+        report = self._from_its_node(msg, ReplicaReport, "report")
+        if report is None:
             return
         await self._route_report(report.node_id, report.replica)
 
