@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 from typing import Any
 
 import msgspec
 
-from events import ClusterSpec
+from events import ClusterSpec, ShardingSpec
 from events.ids import valid_id
 
 from .errors import ControllerError
+from .sharding import BYTES_PER_PARAM, PARALLELISM
 
 
 class SpecError(ControllerError, ValueError):
@@ -33,6 +35,11 @@ def from_mapping(raw: Any) -> ClusterSpec:
         raw = {**raw, "gpu": gpu}
     if isinstance(raw, dict) and isinstance(raw.get("regions"), list):
         raw = {**raw, "regions": tuple(raw["regions"])}
+    if isinstance(raw, dict) and isinstance(raw.get("sharding"), dict):
+        sharding = dict(raw["sharding"])
+        if isinstance(sharding.get("parallelism"), list):
+            sharding["parallelism"] = tuple(sharding["parallelism"])
+        raw = {**raw, "sharding": sharding}
     try:
         spec = msgspec.convert(raw, ClusterSpec, strict=True)
     except msgspec.ValidationError as exc:
@@ -62,6 +69,58 @@ def validate(spec: ClusterSpec) -> None:
         if bad:
             raise SpecError(f"{field_name}: {why}")
     _validate_regions(spec.regions)
+    if spec.sharding is not None:
+        _validate_sharding(spec.sharding)
+
+
+def _validate_sharding(s: ShardingSpec) -> None:
+    """The `[sharding]` section: one line naming the field, as for the rest of the spec."""
+    for name in ("weights_gib", "params_b", "kv_cache_gib", "max_token_latency_ms"):
+        value = getattr(s, name)
+        if not math.isfinite(value) or value < 0:
+            raise SpecError(f"sharding.{name}: must be a finite number >= 0, got {value}")
+    for name in ("layers", "context_tokens", "concurrent_sequences", "kv_bytes_per_token"):
+        if getattr(s, name) < 0:
+            raise SpecError(f"sharding.{name}: must not be negative, got {getattr(s, name)}")
+    if not math.isfinite(s.link_gbps) or s.link_gbps <= 0:
+        raise SpecError(f"sharding.link_gbps: must be > 0, got {s.link_gbps}")
+    if not math.isfinite(s.link_rtt_ms) or s.link_rtt_ms < 0:
+        raise SpecError(f"sharding.link_rtt_ms: must be a finite number >= 0, got {s.link_rtt_ms}")
+    if s.hidden_size < 0:
+        raise SpecError(f"sharding.hidden_size: must not be negative, got {s.hidden_size}")
+    if s.precision and s.precision not in BYTES_PER_PARAM:
+        known = ", ".join(BYTES_PER_PARAM)
+        raise SpecError(f"sharding.precision: {s.precision!r} is not one of {known}")
+    by_params = s.params_b > 0 or bool(s.precision)
+    if s.weights_gib > 0 and by_params:
+        raise SpecError(
+            "sharding.weights_gib: give weights_gib, or params_b and precision, not both"
+        )
+    if s.weights_gib == 0 and not (s.params_b > 0 and s.precision):
+        missing = "precision" if s.params_b > 0 else "params_b"
+        if not by_params:
+            raise SpecError("sharding.weights_gib: give weights_gib, or params_b and precision")
+        raise SpecError(f"sharding.{missing}: params_b needs a precision and precision a params_b")
+    per_token = (s.context_tokens, s.concurrent_sequences, s.kv_bytes_per_token)
+    if any(per_token):
+        if s.kv_cache_gib > 0:
+            raise SpecError(
+                "sharding.kv_cache_gib: give kv_cache_gib, or context_tokens, "
+                "concurrent_sequences and kv_bytes_per_token, not both"
+            )
+        names = ("context_tokens", "concurrent_sequences", "kv_bytes_per_token")
+        for name, value in zip(names, per_token, strict=True):
+            if value == 0:
+                raise SpecError(f"sharding.{name}: required with the other KV-cache figures")
+    seen: list[str] = []
+    for way in s.parallelism:
+        if way not in PARALLELISM:
+            raise SpecError(f"sharding.parallelism: {way!r} is not one of tensor, pipeline")
+        if way in seen:
+            raise SpecError(f"sharding.parallelism: {way!r} is listed twice")
+        seen.append(way)
+    if "pipeline" in s.parallelism and s.layers == 0:
+        raise SpecError("sharding.layers: required when parallelism allows pipeline")
 
 
 def _validate_regions(regions: tuple[str, ...]) -> None:

@@ -21,6 +21,7 @@ from .cluster import (
     ClusterUnschedulable as ClusterUnschedulable,
     GpuRequirement as GpuRequirement,
     RolloutPolicy as RolloutPolicy,
+    ShardingSpec as ShardingSpec,
 )
 from .controller import (
     TERMS_STREAM as TERMS_STREAM,

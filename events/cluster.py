@@ -20,6 +20,26 @@ class RolloutPolicy(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     max_unavailable: int = 0  # ready replicas the rollout may take below `replicas`
 
 
+class ShardingSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A model's memory and the parallelism allowed, so the controller can work out the GPUs
+    (a spec's `[sharding]` section; `model` is already the served name). docs/sharding.md has
+    the formulas. Added after v1 was written: a spec without it decodes with None."""
+
+    weights_gib: float = 0.0  # the weights' size; or params_b and precision
+    params_b: float = 0.0  # parameters, in billions
+    precision: str = ""  # fp32, fp16, bf16, fp8, int8, q8, int4, q4, nf4
+    layers: int = 0  # transformer blocks; required when pipeline is allowed
+    kv_cache_gib: float = 0.0  # the KV-cache budget; or the three fields below
+    context_tokens: int = 0
+    concurrent_sequences: int = 0
+    kv_bytes_per_token: int = 0
+    parallelism: tuple[str, ...] = ("tensor",)  # allowed: "tensor" (within a node), "pipeline"
+    max_token_latency_ms: float = 0.0  # 0: no bound
+    hidden_size: int = 0  # activation width crossing a pipeline boundary; 0: 8192
+    link_gbps: float = 1.0  # assumed link bandwidth between nodes, Gbit/s
+    link_rtt_ms: float = 1.0  # assumed round trip between nodes
+
+
 class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a user declares: what to run, on which GPUs, how many replicas."""
 
@@ -40,6 +60,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # How a change of this spec rolls out. Added after v1 was written: older logs decode with
     # the default (one extra replica at a time, none taken away before its replacement is ready).
     rollout: RolloutPolicy = RolloutPolicy()
+    # The model's memory, for `cluster plan` (actors/sharding.py). Added after v1: older logs
+    # decode with None, and a spec without it asks for `gpu.count` GPUs as it always did.
+    sharding: ShardingSpec | None = None
 
 
 class ClusterCreated(

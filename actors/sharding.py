@@ -1,0 +1,503 @@
+"""The smallest set of GPUs that holds a model: a pure, deterministic plan (docs/sharding.md).
+
+`plan` reads the spec's `[sharding]` section and the fleet as it is (node views, and the
+replicas of every cluster, whose GPUs are taken) and returns either a `ShardPlan` (its stages:
+node, GPUs, layer range, memory per GPU; the estimated time per token) or a `NoPlan` saying
+why nothing fits. Either way it lists the alternatives it rejected and why: a node the
+scheduler's filters refuse (health, drain, region, labels, GPU model or VRAM, no free GPU), a
+set of GPUs too small, a plan over `max_token_latency_ms`. It places nothing.
+
+The rules, in order:
+
+1. A node passes the scheduler's own filters (`actors.scheduler`), with the same reasons.
+2. One node beats any split across nodes: a plan on one node has no network in a token's path.
+   On a node, the fewest GPUs of one model that hold the model win: one GPU, else a
+   tensor-parallel group of 2, 4 or 8 (only where `parallelism` allows "tensor"), then the
+   lowest estimated time per token, then the node id.
+3. Otherwise, where `parallelism` allows "pipeline": the fewest stages (one per node, ordered
+   by node id), then the fewest GPUs. Each stage is one node's GPUs of one model (a
+   tensor-parallel group if "tensor" is allowed too). Layers are split in proportion to each
+   stage's usable VRAM, in whole layers, every layer once, no stage over its VRAM.
+4. A plan whose estimated time per token exceeds `max_token_latency_ms` is rejected with its
+   estimate, and the next alternative is tried.
+
+Memory: weights + KV cache, spread evenly over the layers (the embeddings counted in the
+weights, so a layer is `(weights + kv) / layers`); a GPU may be filled to `HEADROOM` of its
+VRAM, the rest left for activations, the CUDA context and fragmentation.
+
+Time per token (one decode step, memory-bandwidth bound): each stage reads its share of the
+weights and of the KV budget once per step, at its GPUs' memory bandwidth (`BANDWIDTH_GBS` by
+model name, `DEFAULT_BANDWIDTH_GBS` for the rest), the tensor-parallel GPUs of a stage in
+parallel; the stages run one after another; each boundary between stages adds the activations
+of the step (`hidden_size` x 2 bytes x sequences) over `link_gbps` plus `link_rtt_ms`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from events import ClusterSpec, GpuRequirement, ShardingSpec
+from projections.views import NodeView, ReplicaView
+
+# The scheduler's filters and its view of taken GPUs, reused so that a plan and a placement
+# refuse the same nodes for the same reasons.
+from .scheduler import _filter, _Need, _Reject, _taken, _unique_by_index
+
+__all__ = [
+    "BANDWIDTH_GBS",
+    "BYTES_PER_PARAM",
+    "DEFAULT_BANDWIDTH_GBS",
+    "DEFAULT_HIDDEN_SIZE",
+    "HEADROOM",
+    "PARALLELISM",
+    "NoPlan",
+    "Rejected",
+    "ShardPlan",
+    "Stage",
+    "bandwidth_gbs",
+    "kv_cache_bytes",
+    "plan",
+    "weights_bytes",
+]
+
+GIB = 1024**3
+MIB = 1024**2
+
+PARALLELISM = ("tensor", "pipeline")
+
+# Bytes per parameter at each precision a spec may name (4-bit formats at half a byte; their
+# scales and zero points are left to the headroom).
+BYTES_PER_PARAM = {
+    "fp32": 4.0,
+    "fp16": 2.0,
+    "bf16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "q8": 1.0,
+    "int4": 0.5,
+    "q4": 0.5,
+    "nf4": 0.5,
+}
+
+# A GPU may be filled to this fraction of its VRAM (as the integer ratio, for exact checks).
+HEADROOM_NUM, HEADROOM_DEN = 9, 10
+HEADROOM = HEADROOM_NUM / HEADROOM_DEN
+
+# The activation width when the spec gives none: Llama-2/3 70B's; smaller models have less.
+DEFAULT_HIDDEN_SIZE = 8192
+ACTIVATION_BYTES = 2  # fp16/bf16 per element
+
+# Memory bandwidth, GB/s, by a substring of the GPU model name (lower case, letters and
+# digits only), first match wins: longer names before the names they contain.
+BANDWIDTH_GBS: tuple[tuple[str, float], ...] = (
+    ("h200", 4800.0),
+    ("h100pcie", 2000.0),
+    ("h100", 3350.0),
+    ("mi300", 5300.0),
+    ("a100", 2039.0),
+    ("l40", 864.0),
+    ("a6000", 768.0),
+    ("4090", 1008.0),
+    ("3090", 936.0),
+    ("a10", 600.0),
+    ("t4", 320.0),
+    ("l4", 300.0),
+)
+DEFAULT_BANDWIDTH_GBS = 500.0
+
+TENSOR_DEGREES = (1, 2, 4, 8)  # GPUs in a tensor-parallel group: they must divide the heads
+MAX_STAGES = 8
+LISTED = 20  # rejected alternatives listed by name; the rest are counted
+
+
+class Stage(msgspec.Struct, frozen=True, kw_only=True):
+    """One pipeline stage: a node's GPUs (a tensor-parallel group when more than one)."""
+
+    node_id: str
+    gpu_model: str
+    gpu_indices: tuple[int, ...]
+    first_layer: int
+    last_layer: int  # exclusive: the stage holds layers [first_layer, last_layer)
+    vram_mib: int  # each GPU's (the smallest of the group)
+    used_mib: int  # each GPU's share of the weights and the KV cache
+    compute_ms: float  # this stage's part of a token's time
+
+
+class Rejected(msgspec.Struct, frozen=True, kw_only=True):
+    nodes: tuple[str, ...]
+    gpus: int  # GPUs the alternative would use; 0 for a node the filters refuse
+    reason: str
+
+
+class ShardPlan(msgspec.Struct, frozen=True, kw_only=True):
+    cluster: str
+    gpus: int
+    stages: tuple[Stage, ...]
+    layers: int
+    weights_gib: float
+    kv_cache_gib: float
+    token_ms: float  # estimated time per token: compute_ms + link_ms
+    compute_ms: float
+    link_ms: float
+    why: str
+    rejected: tuple[Rejected, ...] = ()
+    rejected_total: int = 0  # all rejected alternatives; `rejected` lists the first LISTED
+
+
+class NoPlan(msgspec.Struct, frozen=True, kw_only=True):
+    cluster: str
+    reason: str
+    rejected: tuple[Rejected, ...] = ()
+    rejected_total: int = 0
+
+
+def weights_bytes(s: ShardingSpec) -> int:
+    if s.weights_gib > 0:
+        return math.ceil(s.weights_gib * GIB)
+    return math.ceil(s.params_b * 1e9 * BYTES_PER_PARAM.get(s.precision, 2.0))
+
+
+def kv_cache_bytes(s: ShardingSpec) -> int:
+    if s.kv_cache_gib > 0:
+        return math.ceil(s.kv_cache_gib * GIB)
+    return s.context_tokens * s.concurrent_sequences * s.kv_bytes_per_token
+
+
+def bandwidth_gbs(model: str) -> float:
+    name = "".join(c for c in model.lower() if c.isalnum())
+    for key, gbs in BANDWIDTH_GBS:
+        if key in name:
+            return gbs
+    return DEFAULT_BANDWIDTH_GBS
+
+
+@dataclass(frozen=True, slots=True)
+class _Unit:
+    """A node's GPUs of one model that a stage could use."""
+
+    node_id: str
+    model: str
+    indices: tuple[int, ...]
+    vram_mib: int  # the smallest of them
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+    @property
+    def cap(self) -> int:
+        """Bytes the group may hold, all GPUs together, within the headroom."""
+        return self.count * self.vram_mib * MIB * HEADROOM_NUM // HEADROOM_DEN
+
+
+@dataclass(slots=True)
+class _Ctx:
+    spec: ClusterSpec
+    s: ShardingSpec
+    need: int  # bytes: weights + KV cache
+    weights: int
+    kv: int
+    layers: int
+    rejected: list[Rejected]
+
+    def link_ms(self) -> float:
+        hidden = self.s.hidden_size or DEFAULT_HIDDEN_SIZE
+        batch = max(1, self.s.concurrent_sequences)
+        bits = hidden * ACTIVATION_BYTES * batch * 8
+        return bits / (self.s.link_gbps * 1e9) * 1e3 + self.s.link_rtt_ms
+
+
+def plan(
+    spec: ClusterSpec, nodes: Sequence[NodeView], placements: Sequence[ReplicaView]
+) -> ShardPlan | NoPlan:
+    """Plan one replica of `spec` on the fleet as it is; `spec.sharding` must be set."""
+    s = spec.sharding
+    if s is None:
+        return NoPlan(cluster=spec.name, reason=f"{spec.name} has no [sharding] section")
+    weights, kv = weights_bytes(s), kv_cache_bytes(s)
+    ctx = _Ctx(spec, s, weights + kv, weights, kv, s.layers, [])
+    units = _units(ctx, nodes, placements)
+    found = _one_node(ctx, units)
+    if found is None and "pipeline" in s.parallelism and s.layers >= 2:
+        found = _pipeline(ctx, units)
+    total = len(ctx.rejected)
+    listed = tuple(ctx.rejected[:LISTED])
+    if found is None:
+        return NoPlan(
+            cluster=spec.name, reason=_no_plan_reason(ctx, units), rejected=listed,
+            rejected_total=total,
+        )  # fmt: skip
+    return msgspec.structs.replace(found, rejected=listed, rejected_total=total)
+
+
+def _units(
+    ctx: _Ctx, nodes: Sequence[NodeView], placements: Sequence[ReplicaView]
+) -> dict[str, list[_Unit]]:
+    """Per eligible node (by id), its free GPUs of each accepted model, all of them; the
+    nodes the scheduler's filters refuse go to `ctx.rejected` with the scheduler's reason."""
+    spec = ctx.spec
+    taken = _taken(placements)
+    need = _Need.of(msgspec.structs.replace(spec, gpu=_one_gpu(spec.gpu)))
+    units: dict[str, list[_Unit]] = {}
+    for node in sorted(nodes, key=lambda n: n.node_id):
+        used = taken.get(node.node_id, set())
+        verdict = _filter(node, spec, used, (), need)
+        if isinstance(verdict, _Reject):
+            ctx.rejected.append(Rejected(nodes=(node.node_id,), gpus=0, reason=verdict.detail))
+            continue
+        by_model: dict[str, list[tuple[int, int]]] = {}
+        for gpu in _unique_by_index(node.gpus):
+            ok_model = not need.models or gpu.model in need.models
+            if ok_model and gpu.vram_mib >= need.min_vram_mib and gpu.index not in used:
+                by_model.setdefault(gpu.model, []).append((gpu.index, gpu.vram_mib))
+        units[node.node_id] = [
+            _Unit(node.node_id, model, tuple(i for i, _ in gpus), min(v for _, v in gpus))
+            for model, gpus in sorted(by_model.items())
+        ]
+    return units
+
+
+def _one_gpu(gpu: GpuRequirement) -> GpuRequirement:
+    return msgspec.structs.replace(gpu, count=1)
+
+
+def _degrees(ctx: _Ctx, free: int) -> list[int]:
+    allowed = TENSOR_DEGREES if "tensor" in ctx.s.parallelism else (1,)
+    return [d for d in allowed if d <= free]
+
+
+def _group(unit: _Unit, d: int) -> _Unit:
+    # The lowest indices keep a node's allocations packed, as the scheduler does.
+    return _Unit(unit.node_id, unit.model, unit.indices[:d], unit.vram_mib)
+
+
+def _one_node(ctx: _Ctx, units: dict[str, list[_Unit]]) -> ShardPlan | None:
+    fits: list[tuple[int, float, str, str, ShardPlan]] = []
+    for node_id, node_units in units.items():
+        for unit in node_units:
+            groups = [_group(unit, d) for d in _degrees(ctx, unit.count)]
+            fitting = [g for g in groups if g.cap >= ctx.need]
+            if not fitting:
+                biggest = groups[-1]
+                ctx.rejected.append(
+                    Rejected(
+                        nodes=(node_id,),
+                        gpus=biggest.count,
+                        reason=f"does not fit: {_gib(ctx.need)} GiB needed, "
+                        f"{_gib(biggest.cap)} GiB usable on {_gpus(biggest)}",
+                    )
+                )
+                continue
+            group = fitting[0]
+            candidate = _make_plan(ctx, [group], [ctx.layers])
+            fits.append((group.count, candidate.token_ms, node_id, unit.model, candidate))
+    fits.sort(key=lambda f: f[:4])
+    return _first_within_bound(ctx, [f[4] for f in fits])
+
+
+def _first_within_bound(ctx: _Ctx, candidates: Sequence[ShardPlan]) -> ShardPlan | None:
+    """The first candidate within `max_token_latency_ms`; the others are recorded."""
+    chosen: ShardPlan | None = None
+    for candidate in candidates:
+        if chosen is not None:
+            ctx.rejected.append(_lost_to(candidate, chosen))
+            continue
+        over = _over_bound(ctx, candidate)
+        if over:
+            ctx.rejected.append(_rejected(candidate, over))
+        else:
+            chosen = candidate
+    return chosen
+
+
+def _over_bound(ctx: _Ctx, p: ShardPlan) -> str:
+    bound = ctx.s.max_token_latency_ms
+    if bound <= 0 or p.token_ms <= bound:
+        return ""
+    slow = "a link too slow: " if p.link_ms > p.compute_ms else "too slow: "
+    return (
+        f"{slow}estimated {p.token_ms:.2f} ms per token > max_token_latency_ms {bound:g} "
+        f"(compute {p.compute_ms:.2f} ms + links {p.link_ms:.2f} ms)"
+    )
+
+
+def _lost_to(p: ShardPlan, winner: ShardPlan) -> Rejected:
+    if p.gpus != winner.gpus:
+        why = f"fits, but on {p.gpus} GPUs against {winner.gpus}"
+    else:
+        why = f"fits, but {p.token_ms:.2f} ms per token against {winner.token_ms:.2f}"
+    return _rejected(p, why)
+
+
+def _rejected(p: ShardPlan, reason: str) -> Rejected:
+    return Rejected(nodes=tuple(st.node_id for st in p.stages), gpus=p.gpus, reason=reason)
+
+
+def _pipeline(ctx: _Ctx, units: dict[str, list[_Unit]]) -> ShardPlan | None:
+    groups_by_node = {
+        node_id: [_group(u, d) for u in node_units for d in _degrees(ctx, u.count)]
+        for node_id, node_units in units.items()
+    }
+    most = min(MAX_STAGES, ctx.layers, len(groups_by_node))
+    for k in range(2, most + 1):
+        candidates: list[ShardPlan] = []
+        for groups in _selections(ctx, groups_by_node, k):
+            split = _split(ctx, groups)
+            if isinstance(split, str):
+                names = tuple(g.node_id for g in groups)
+                count = sum(g.count for g in groups)
+                ctx.rejected.append(Rejected(nodes=names, gpus=count, reason=split))
+                continue
+            candidates.append(_make_plan(ctx, groups, split))
+        found = _first_within_bound(ctx, candidates)
+        if found is not None:
+            return found
+    return None
+
+
+def _selections(ctx: _Ctx, groups_by_node: dict[str, list[_Unit]], k: int) -> list[list[_Unit]]:
+    """For `k` stages on `k` nodes: per total GPU count, ascending, the selection with the
+    most usable memory that holds the model, stages by node id.
+
+    Only the `k` largest groups of each size can be in such a selection (any other group of
+    that size is beaten by one of them on a node the other stages leave free), so the search
+    runs over those nodes alone, whatever the fleet's size."""
+    pool: set[str] = set()
+    for d in TENSOR_DEGREES:
+        sized = sorted(
+            (g for groups in groups_by_node.values() for g in groups if g.count == d),
+            key=lambda g: (-g.cap, g.node_id, g.model),
+        )
+        nodes: list[str] = []
+        for g in sized:
+            if g.node_id not in nodes:
+                nodes.append(g.node_id)
+                if len(nodes) == k:
+                    break
+        pool.update(nodes)
+    # (stages, GPUs) -> (usable bytes, groups); nodes in id order, a strictly better one wins.
+    best: dict[tuple[int, int], tuple[int, tuple[_Unit, ...]]] = {(0, 0): (0, ())}
+    for node_id in sorted(pool):
+        for (j, count), (cap, chosen) in sorted(best.items()):
+            if j == k:
+                continue
+            for group in groups_by_node[node_id]:
+                key = (j + 1, count + group.count)
+                value = cap + group.cap
+                if key not in best or value > best[key][0]:
+                    best[key] = (value, (*chosen, group))
+    return [
+        list(chosen) for (j, _), (cap, chosen) in sorted(best.items()) if j == k and cap >= ctx.need
+    ]
+
+
+def _split(ctx: _Ctx, groups: Sequence[_Unit]) -> list[int] | str:
+    """Whole layers per stage in proportion to usable memory, each within its memory, or why
+    not. Exact integer arithmetic: a layer takes `need / layers` bytes."""
+    layers, need = ctx.layers, ctx.need
+    caps = [g.cap for g in groups]
+    total = sum(caps)
+    most = [cap * layers // need for cap in caps]  # layers each stage can hold
+    if sum(most) < layers:
+        return (
+            f"does not fit in whole layers: {layers} layers of {_gib(need / layers)} GiB, "
+            f"the stages hold {sum(most)}"
+        )
+    share = [min(cap * layers // total, m) for cap, m in zip(caps, most, strict=True)]
+    while sum(share) < layers:
+        # The stage furthest below its proportional share that can take one more layer.
+        room = [i for i in range(len(groups)) if share[i] < most[i]]
+        i = max(room, key=lambda i: (layers * caps[i] - share[i] * total, -i))
+        share[i] += 1
+    if min(share) == 0:
+        empty = groups[share.index(0)].node_id
+        return f"stage on {empty} would hold no layer (fewer stages suffice)"
+    return share
+
+
+def _make_plan(ctx: _Ctx, groups: Sequence[_Unit], split: Sequence[int]) -> ShardPlan:
+    layers = ctx.layers
+    stages: list[Stage] = []
+    first = 0
+    for group, n in zip(groups, split, strict=True):
+        held = ctx.need * n / layers if layers else float(ctx.need)
+        seconds = held / (group.count * bandwidth_gbs(group.model) * 1e9)
+        stages.append(
+            Stage(
+                node_id=group.node_id,
+                gpu_model=group.model,
+                gpu_indices=group.indices,
+                first_layer=first,
+                last_layer=first + n,
+                vram_mib=group.vram_mib,
+                used_mib=math.ceil(held / group.count / MIB),
+                compute_ms=round(seconds * 1e3, 3),
+            )
+        )
+        first += n
+    compute = sum(st.compute_ms for st in stages)
+    link = ctx.link_ms() * (len(stages) - 1)
+    gpus = sum(g.count for g in groups)
+    plan = ShardPlan(
+        cluster=ctx.spec.name,
+        gpus=gpus,
+        stages=tuple(stages),
+        layers=layers,
+        weights_gib=round(ctx.weights / GIB, 3),
+        kv_cache_gib=round(ctx.kv / GIB, 3),
+        token_ms=round(compute + link, 3),
+        compute_ms=round(compute, 3),
+        link_ms=round(link, 3),
+        why="",
+    )
+    return msgspec.structs.replace(plan, why=_why(ctx, plan))
+
+
+def _why(ctx: _Ctx, p: ShardPlan) -> str:
+    held = f"{_gib(ctx.need)} GiB ({_gib(ctx.weights)} weights + {_gib(ctx.kv)} KV cache)"
+    if len(p.stages) == 1:
+        st = p.stages[0]
+        how = "one GPU" if p.gpus == 1 else f"tensor parallel over {p.gpus} GPUs"
+        where = f"{how} on {st.node_id} ({st.gpu_model} {','.join(map(str, st.gpu_indices))})"
+    else:
+        parts = [
+            f"{st.node_id} {st.gpu_model} x{len(st.gpu_indices)} layers "
+            f"{st.first_layer}-{st.last_layer - 1}"
+            for st in p.stages
+        ]
+        where = f"{len(p.stages)} pipeline stages: " + ", ".join(parts)
+    return (
+        f"{held} on {where}; estimated {p.token_ms:.2f} ms per token "
+        f"(compute {p.compute_ms:.2f} ms + links {p.link_ms:.2f} ms)"
+    )
+
+
+def _no_plan_reason(ctx: _Ctx, units: dict[str, list[_Unit]]) -> str:
+    held = f"{_gib(ctx.need)} GiB ({_gib(ctx.weights)} weights + {_gib(ctx.kv)} KV cache)"
+    parts = []
+    filtered = sum(1 for r in ctx.rejected if r.gpus == 0)
+    if filtered:
+        parts.append(f"{filtered} node{'s' if filtered != 1 else ''} refused by the filters")
+    if not units:
+        parts.append("no node has a free GPU that passes them")
+    small = sum(1 for r in ctx.rejected if r.reason.startswith("does not fit"))
+    if small:
+        parts.append(f"{small} too small")
+    slow = [r.reason for r in ctx.rejected if "ms per token >" in r.reason]
+    if slow:
+        parts.append(f"{len(slow)} over the latency bound (first: {slow[0]})")
+    if "pipeline" not in ctx.s.parallelism and len(units) > 1:
+        parts.append("pipeline across nodes not allowed")
+    return f"nothing fits {ctx.spec.name}, {held}: " + ("; ".join(parts) or "no nodes")
+
+
+def _gpus(g: _Unit) -> str:
+    return f"{g.count} {g.model}" + (f" ({g.vram_mib} MiB)" if g.count == 1 else " GPUs")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
