@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     chaos.register(commands, [common])
 
+    from . import status
+
+    status.register(commands, [common])
+
     from .security import cli as security_cli
 
     security_cli.register(commands, [common])
