@@ -3,7 +3,7 @@
 /v1/chat/completions, /v1/completions, /v1/embeddings   routed by `model` (gateway/proxy.py)
 /v1/models                                             the clusters, as models
 /c/<cluster>/<path>                                    any other HTTP API of a cluster
-/api/v1/...                                            the control API, admin key only
+/api/v1/...                                            the control API, admin keys by scope
 /metrics, /healthz, /readyz                            for Prometheus and orchestrators
 """
 
@@ -58,8 +58,7 @@ def build_app(
 
     # Longer than the controller's own 30 s wait on create/scale/drain, so that a slow success
     # is not reported as a 504.
-    control = control_app(bus, timeout=35.0, body_timeout=request_body_timeout_s)
-    control.middlewares.append(_admin_only(keys))
+    control = control_app(bus, timeout=35.0, body_timeout=request_body_timeout_s, keys=keys)
     app.add_subapp("/api/v1", control)
     return app
 
@@ -106,17 +105,3 @@ def _reason(request: web.Request, exc: web.HTTPException) -> str:
 
 def _too_large(limit: int) -> web.Response:
     return openai_error(413, f"the request body is over the {limit}-byte limit", "too_large")
-
-
-def _admin_only(keys: KeyRing) -> Callable[..., Awaitable[web.StreamResponse]]:
-    @web.middleware
-    async def admin(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not keys.is_admin(request.headers.get("Authorization")):
-            return openai_error(
-                401 if keys.enabled else 403,
-                "the control API needs an admin key (Authorization: Bearer <admin key>)",
-                "admin_key_required",
-            )
-        return await handler(request)
-
-    return admin

@@ -2,9 +2,20 @@
 
 The key file (`gpumesh gateway --keys keys.toml`) is what operators write:
 
-    # Admin keys may call /api/v1 (the control API). They are not tenant keys: a key listed
-    # here and under a tenant may do both.
+    # Admin keys may call /api/v1 (the control API), all of it. They are not tenant keys: a
+    # key listed here and under a tenant may do both.
     admin_keys = ["gm-admin-3f9c..."]
+
+    # Scoped admin keys: `scope` is "read" (GET nodes, clusters, events), "operate" (read,
+    # and change the `clusters` named: apply, scale, roll back, delete) or "all".
+    [admins.dashboards]
+    keys = ["gm-ro-51aa..."]
+    scope = "read"
+
+    [admins.llama-team]
+    keys = ["gm-llama-9e2c..."]
+    scope = "operate"
+    clusters = ["llama"]  # required with "operate", refused with the others
 
     [tenants.acme]
     keys = ["gm-7d1e...", "sha256:5e884898da28047151d0e56f8dc6292773603d0d6aabbdd62a11ef721d1542d8"]
@@ -28,11 +39,16 @@ Keys:
 
 Limits are per tenant (all of its keys share one bucket) and per gateway process.
 
-No key file means auth is off: every request is admitted as the tenant "anonymous", without a
-rate limit, and the control API is open too. That is a local development stack, and the gateway
-warns about it at start. With a key file, the control API needs one of `admin_keys`; a file
-without any refuses every control call. A file must hold at least one key: an empty one is an
-error rather than a silent "auth off".
+No key file means tenant auth is off: every request is admitted as the tenant "anonymous",
+without a rate limit. The control API is then closed (`KeyRing.open()`), or open to everyone
+(`KeyRing.open(insecure_api=True)`, `gpumesh gateway --insecure-api`: a local development
+stack; the gateway warns about it at start), or keyed by one admin key kept in a file of its
+own (`KeyRing.load_admin_key`, what `gpumesh up` makes). With a key file, the control API needs
+one of its admin keys; a file without any refuses every control call. A file must hold at least
+one key: an empty one is an error rather than a silent "auth off".
+
+A ring read from a file can be read again (`reload`, `watch`): a file that no longer parses
+leaves the keys as they were, and says so in one log line.
 
 Every problem with the file is a `KeyFileError`, one line: `keys.toml: tenants.acme.rate_per_s:
 must be >= 0`.
@@ -40,17 +56,23 @@ must be >= 0`.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from hashlib import sha256
-from typing import Any
+from typing import Any, Literal
+
+import structlog
 
 from runtime.env import Clock
 from runtime.real_env import LoopClock
+
+_log = structlog.get_logger("gpumesh.gateway")
 
 
 class KeyFileError(ValueError):
@@ -136,67 +158,126 @@ def hashed(key: str) -> str:
     return "sha256:" + sha256(key.encode()).hexdigest()
 
 
+Scope = Literal["read", "operate", "all"]
+SCOPES: tuple[Scope, ...] = ("read", "operate", "all")
+Need = Literal["read", "cluster", "all"]
+"""What a control route needs: `read` (a GET), `cluster` (a change to the cluster its path
+names), `all` (anything else: creating a cluster, node verbs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdminScope:
+    """What one admin key may do on /api/v1."""
+
+    name: str  # `admin_keys`, or the `[admins.<name>]` table it came from
+    scope: Scope
+    clusters: frozenset[str] = frozenset()  # with scope "operate": the clusters it may change
+
+    def allows(self, need: Need, cluster: str = "") -> bool:
+        if self.scope == "all" or need == "read":
+            return True
+        return need == "cluster" and self.scope == "operate" and cluster in self.clusters
+
+
+FULL_ADMIN = AdminScope("admin_keys", "all")
+
+Access = Literal["ok", "no_key", "forbidden"]
+
+
 class KeyRing:
-    """Who a request is, whether it may call the control API, and whether its tenant is over
-    its rate limit. Build it with `load`, `from_mapping` or `open`.
+    """Who a request is, what it may do on the control API, and whether its tenant is over
+    its rate limit. Build it with `load`, `from_mapping`, `open` or `load_admin_key`.
 
     `clock` times the rate limits; by default the running event loop's clock, so `admit` must
     be called from within the loop (where the gateway calls it) and a simulator's virtual loop
-    stays in charge.
+    stays in charge. A ring read from a file is reloaded in place (`reload`, `watch`), so
+    whoever holds it sees the new keys.
     """
 
     def __init__(
         self,
         tenants: Mapping[bytes, Tenant],
-        admin_digests: frozenset[bytes],
+        admins: Mapping[bytes, AdminScope] | frozenset[bytes],
         *,
         enabled: bool,
+        api_open: bool = False,
         clock: Clock | None = None,
+        source: tuple[Callable[[str], KeyRing], str] | None = None,
     ) -> None:
         self._by_digest = dict(tenants)
-        self._admin = admin_digests
+        if isinstance(admins, frozenset):  # digests of keys that may do everything
+            admins = dict.fromkeys(admins, FULL_ADMIN)
+        self._admin = dict(admins)
         self._enabled = enabled
+        self._api_open = api_open and not enabled
         self._clock = clock or LoopClock()
         self._buckets: dict[str, TokenBucket] = {}
+        self._source = source  # (loader, path): how to read this ring again
+        self._seen: tuple[int, int, int] | None = None  # the file as it was when last read
 
     @classmethod
-    def open(cls, *, clock: Clock | None = None) -> KeyRing:
-        """Auth off: every request is the anonymous tenant, unlimited, and admin."""
-        return cls({}, frozenset(), enabled=False, clock=clock)
+    def open(cls, *, insecure_api: bool = False, clock: Clock | None = None) -> KeyRing:
+        """Tenant auth off: every request is the anonymous tenant, unlimited. The control API
+        is closed to everyone, unless `insecure_api` opens it to everyone."""
+        return cls({}, {}, enabled=False, api_open=insecure_api, clock=clock)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], *, clock: Clock | None = None) -> KeyRing:
         where = os.fspath(path)
+        seen = _signature(where)  # before reading: a change while it is read is seen later
+        raw = _read_text(where)
         try:
-            with open(where, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise KeyFileError("no such file", where) from None
-        except IsADirectoryError:
-            raise KeyFileError("cannot read: is a directory", where) from None
-        except OSError as exc:
-            raise KeyFileError(f"cannot read: {exc.strerror or exc}", where) from None
-        try:
-            raw = tomllib.loads(data.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise KeyFileError("not UTF-8 text", where) from None
+            data = tomllib.loads(raw)
         except tomllib.TOMLDecodeError as exc:
             raise KeyFileError(f"not valid TOML: {_one_line(str(exc))}", where) from None
         try:
-            return cls.from_mapping(raw, clock=clock)
+            tenants, admins = _parse(data)
         except KeyFileError as exc:
             raise KeyFileError(exc.reason, where) from None
+        loader = partial(cls.load, clock=clock)
+        ring = cls(tenants, admins, enabled=True, clock=clock, source=(loader, where))
+        ring._seen = seen
+        return ring
+
+    @classmethod
+    def load_admin_key(cls, path: str | os.PathLike[str], *, clock: Clock | None = None) -> KeyRing:
+        """Tenant auth off, and the control API keyed by the one admin key (scope "all") the
+        file holds, alone on its first line: what `gpumesh up` writes (gpumesh/up.py)."""
+        where = os.fspath(path)
+        seen = _signature(where)
+        lines = _read_text(where).splitlines()
+        key = lines[0].strip() if lines else ""
+        if not key or any(line.strip() for line in lines[1:]):
+            raise KeyFileError("must hold one admin key, alone on its line", where)
+        try:
+            digest = _key_digest(key, "admin key")
+        except KeyFileError as exc:
+            raise KeyFileError(exc.reason, where) from None
+        loader = partial(cls.load_admin_key, clock=clock)
+        ring = cls({}, {digest: FULL_ADMIN}, enabled=False, clock=clock, source=(loader, where))
+        ring._seen = seen
+        return ring
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], *, clock: Clock | None = None) -> KeyRing:
         """The key file's content, parsed: see the module docstring."""
-        tenants, admin = _parse(raw)
-        return cls(tenants, admin, enabled=True, clock=clock)
+        tenants, admins = _parse(raw)
+        return cls(tenants, admins, enabled=True, clock=clock)
 
     @property
     def enabled(self) -> bool:
-        """False for a ring that admits everyone (no key file)."""
+        """False for a ring that admits every inference request (no key file)."""
         return self._enabled
+
+    @property
+    def api_open(self) -> bool:
+        """Whether the control API is open to everyone, without a key (`--insecure-api`)."""
+        return self._api_open
+
+    @property
+    def path(self) -> str:
+        """The file this ring was read from, or ''."""
+        return self._source[1] if self._source else ""
 
     @property
     def tenants(self) -> tuple[Tenant, ...]:
@@ -212,13 +293,32 @@ class KeyRing:
             return None
         return self._by_digest.get(digest)
 
-    def is_admin(self, authorization_header: str | None) -> bool:
-        """Whether the header carries an admin key. With auth off (no key file: a local
-        development stack) everyone is; with a key file but no admin_keys, no one is."""
-        if not self._enabled:
-            return True
+    def admin(self, authorization_header: str | None) -> AdminScope | None:
+        """The scope of the admin key the header carries; None without one. Everything
+        (FULL_ADMIN) for anyone when the control API is open."""
+        if self._api_open:
+            return FULL_ADMIN
         digest = _digest_of(authorization_header)
-        return digest is not None and digest in self._admin
+        return None if digest is None else self._admin.get(digest)
+
+    def is_admin(self, authorization_header: str | None) -> bool:
+        """Whether the header carries an admin key, of any scope (or the API is open)."""
+        return self.admin(authorization_header) is not None
+
+    def access(self, authorization_header: str | None, need: Need | None, cluster: str) -> Access:
+        """Whether a control call that needs `need` on `cluster` may go on: `no_key` without
+        an admin key (401), `forbidden` with one whose scope does not allow it (403). `need`
+        None (no such route): any admin key will do, so that a 404 tells nothing to strangers."""
+        scope = self.admin(authorization_header)
+        if scope is None:
+            return "no_key"
+        if need is None or scope.allows(need, cluster):
+            return "ok"
+        return "forbidden"
+
+    @property
+    def has_admin_keys(self) -> bool:
+        return bool(self._admin)
 
     def admit(self, tenant: Tenant) -> float:
         """0.0 when the tenant may send a request now (and one is counted), else the seconds
@@ -230,6 +330,71 @@ class KeyRing:
             bucket = TokenBucket(tenant.rate_per_s, tenant.burst, self._clock)
             self._buckets[tenant.name] = bucket
         return bucket.take()
+
+    # -- reloading ----------------------------------------------------------------------------
+
+    def reload(self, log: Any = None) -> bool:
+        """Read the file again and take its keys, in place; True when they were taken. A file
+        that does not load leaves the keys as they were: one warning, False. A tenant whose
+        limits did not change keeps its bucket (a reload is no way around a rate limit)."""
+        if self._source is None:
+            return False
+        loader, where = self._source
+        log = log or _log
+        self._seen = _signature(where)
+        try:
+            fresh = loader(where)
+        except KeyFileError as exc:
+            log.warning("keys_reload_failed", error=str(exc), detail="kept the keys as they were")
+            return False
+        self._by_digest = fresh._by_digest
+        self._admin = fresh._admin
+        limits = {t.name: (t.rate_per_s, t.burst) for t in self._by_digest.values()}
+        for name, bucket in list(self._buckets.items()):
+            if limits.get(name) != (bucket._rate, bucket._burst):
+                del self._buckets[name]
+        log.info(
+            "keys_reloaded",
+            path=where,
+            tenants=len(limits),
+            admin_keys=len(self._admin),
+        )
+        return True
+
+    async def watch(self, log: Any = None, interval: float = 1.0) -> None:
+        """Reload whenever the file changes (its mtime, size or inode), looking every
+        `interval` seconds; forever. Nothing to watch for a ring not read from a file."""
+        if self._source is None:
+            return
+        where = self._source[1]
+        while True:
+            await asyncio.sleep(interval)
+            if _signature(where) != self._seen:
+                self.reload(log)
+
+
+def _signature(path: str) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _read_text(where: str) -> str:
+    try:
+        with open(where, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise KeyFileError("no such file", where) from None
+    except IsADirectoryError:
+        raise KeyFileError("cannot read: is a directory", where) from None
+    except OSError as exc:
+        raise KeyFileError(f"cannot read: {exc.strerror or exc}", where) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise KeyFileError("not UTF-8 text", where) from None
 
 
 def _digest_of(header: str | None) -> bytes | None:
@@ -247,17 +412,18 @@ def _digest_of(header: str | None) -> bytes | None:
 # -- the key file --------------------------------------------------------------------------
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
-_TOP_FIELDS = ("admin_keys", "tenants")
+_TOP_FIELDS = ("admin_keys", "admins", "tenants")
 _TENANT_FIELDS = ("keys", "rate_per_s", "burst", "clusters")
+_ADMIN_FIELDS = ("keys", "scope", "clusters")
 
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _parse(raw: Mapping[str, Any]) -> tuple[dict[bytes, Tenant], frozenset[bytes]]:
+def _parse(raw: Mapping[str, Any]) -> tuple[dict[bytes, Tenant], dict[bytes, AdminScope]]:
     if not isinstance(raw, Mapping):
-        raise KeyFileError("must be a table of admin_keys and [tenants.<name>]")
+        raise KeyFileError("must be a table of admin_keys, [admins.<name>] and [tenants.<name>]")
     for field in raw:
         if field not in _TOP_FIELDS:
             raise KeyFileError(f"{field}: unknown field (expected {', '.join(_TOP_FIELDS)})")
@@ -266,9 +432,16 @@ def _parse(raw: Mapping[str, Any]) -> tuple[dict[bytes, Tenant], frozenset[bytes
     seen_admin: dict[bytes, str] = {}
     seen_tenant: dict[bytes, str] = {}
 
-    admin: set[bytes] = set()
+    admin: dict[bytes, AdminScope] = {}
     for where, key in _key_list(raw.get("admin_keys", []), "admin_keys", allow_empty=True):
-        admin.add(_unique(_key_digest(key, where), where, seen_admin))
+        admin[_unique(_key_digest(key, where), where, seen_admin)] = FULL_ADMIN
+    admins_raw = raw.get("admins", {})
+    if not isinstance(admins_raw, Mapping):
+        raise KeyFileError("admins: must be a table of [admins.<name>]")
+    for name, table in admins_raw.items():
+        scope = _admin_scope(name, table)
+        for where, key in _key_list(table["keys"], f"admins.{name}.keys", allow_empty=False):
+            admin[_unique(_key_digest(key, where), where, seen_admin)] = scope
 
     tenants_raw = raw.get("tenants", {})
     if not isinstance(tenants_raw, Mapping):
@@ -313,10 +486,42 @@ def _parse(raw: Mapping[str, Any]) -> tuple[dict[bytes, Tenant], frozenset[bytes
 
     if not admin and not tenants:
         raise KeyFileError(
-            "no keys: give admin_keys or a [tenants.<name>] table "
+            "no keys: give admin_keys, an [admins.<name>] or a [tenants.<name>] table "
             "(run without a key file to turn auth off)"
         )
-    return tenants, frozenset(admin)
+    return tenants, admin
+
+
+def _admin_scope(name: str, table: Any) -> AdminScope:
+    prefix = f"admins.{name}"
+    if not name:
+        raise KeyFileError(f"{prefix}: the name must not be empty")
+    if not isinstance(table, Mapping):
+        raise KeyFileError(f"{prefix}: must be a table")
+    for field in table:
+        if field not in _ADMIN_FIELDS:
+            raise KeyFileError(
+                f"{prefix}.{field}: unknown field (expected {', '.join(_ADMIN_FIELDS)})"
+            )
+    if "keys" not in table:
+        raise KeyFileError(f"{prefix}.keys: required (one or more keys)")
+    scope = table.get("scope")
+    if scope not in SCOPES:
+        raise KeyFileError(f"{prefix}.scope: required, one of {', '.join(SCOPES)}")
+    clusters = table.get("clusters")
+    if scope != "operate":
+        if clusters is not None:
+            raise KeyFileError(f'{prefix}.clusters: only with scope = "operate"')
+        return AdminScope(name, scope)
+    if (
+        not isinstance(clusters, list)
+        or not clusters
+        or not all(isinstance(c, str) and c for c in clusters)
+    ):
+        raise KeyFileError(
+            f'{prefix}.clusters: scope = "operate" needs a non-empty list of cluster names'
+        )
+    return AdminScope(name, scope, frozenset(clusters))
 
 
 def _key_list(value: Any, where: str, *, allow_empty: bool) -> list[tuple[str, str]]:
@@ -353,3 +558,10 @@ def _number(value: Any, where: str) -> float:
     if not math.isfinite(value):
         raise KeyFileError(f"{where}: must be a finite number")
     return float(value)
+
+
+# -- the admin key `gpumesh up` makes ---------------------------------------------------------
+
+ADMIN_KEY_FILE = "admin-key"
+"""In the data directory: the control API's admin key for a local stack (`gpumesh up` makes it:
+gpumesh/up.py ensure_admin_key), which `gpumesh gateway` uses when it is given no `--keys`."""

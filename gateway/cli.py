@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
 import socket
 from collections.abc import Sequence
 from functools import partial
@@ -62,8 +64,16 @@ def add_arguments(gw: argparse.ArgumentParser) -> None:
         "--keys",
         type=Path,
         metavar="FILE",
-        help="API keys per tenant, rate limits and admin keys (TOML; see gateway/auth.py). "
-        "Without it every client is admitted: a local development stack",
+        help="API keys per tenant, rate limits and admin keys (TOML; docs/gateway.md). Read "
+        "again when it changes, or on SIGHUP. Without it every inference client is admitted, "
+        "and /api/v1 takes the data directory's admin-key (what `gpumesh up` makes) or is "
+        "closed",
+    )
+    gw.add_argument(
+        "--insecure-api",
+        action="store_true",
+        help="without --keys: serve /api/v1 to anyone, without a key (a local development "
+        "stack only)",
     )
     gw.add_argument("--gateway-id", help="this gateway's name in logs and events")
     gw.add_argument(
@@ -215,11 +225,11 @@ async def run_gateway(args: argparse.Namespace) -> int:
     from wire.errors import CommandFailed
     from wire.nats_bus import NatsBus
 
-    from .auth import KeyFileError, KeyRing
+    from .auth import KeyFileError
 
     try:
         config = config_from(args)
-        keys = KeyRing.load(args.keys) if args.keys else KeyRing.open()
+        keys = key_ring(args)
     except (ValueError, KeyFileError) as exc:
         raise CommandFailed(str(exc)) from None
     url = find_nats_url(args.data_dir, args.nats)
@@ -235,7 +245,50 @@ async def run_gateway(args: argparse.Namespace) -> int:
             f"{'https' if config.tls_cert else 'http'}://{config.host}:{config.port}",
             file=sys.stderr,
         )
-        await run_until_signal(gateway.run())
+        print(f"gateway: /api/v1 {api_mode(keys)}", file=sys.stderr)
+        loop = asyncio.get_running_loop()
+        # SIGHUP: read the key file again now (it is also read again when it changes).
+        hup = bool(keys.path) and _on_signal(loop, signal.SIGHUP, keys.reload)
+        try:
+            await run_until_signal(gateway.run())
+        finally:
+            if hup:
+                loop.remove_signal_handler(signal.SIGHUP)
     finally:
         await bus.close()
     return 0
+
+
+def key_ring(args: argparse.Namespace) -> Any:
+    """`--keys FILE`; else the data directory's admin key (tenant auth off); else no keys, the
+    control API closed, or open with `--insecure-api`."""
+    from .auth import ADMIN_KEY_FILE, KeyRing
+
+    insecure_api = getattr(args, "insecure_api", False)
+    if args.keys:
+        if insecure_api:
+            raise ValueError("--insecure-api goes without --keys (the key file has admin keys)")
+        return KeyRing.load(args.keys)
+    admin_key = Path(args.data_dir) / ADMIN_KEY_FILE
+    if not insecure_api and admin_key.exists():
+        return KeyRing.load_admin_key(admin_key)
+    return KeyRing.open(insecure_api=insecure_api)
+
+
+def api_mode(keys: Any) -> str:
+    """How /api/v1 is guarded, in words."""
+    if keys.api_open:
+        return "is open to anyone (--insecure-api)"
+    if keys.has_admin_keys:
+        return f"takes the admin keys in {keys.path}"
+    if keys.path:
+        return f"is closed: {keys.path} has no admin keys"
+    return "is closed: no admin keys (give --keys FILE, or --insecure-api)"
+
+
+def _on_signal(loop: asyncio.AbstractEventLoop, signum: int, callback: Any) -> bool:
+    try:
+        loop.add_signal_handler(signum, callback)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or Windows
+        return False
+    return True

@@ -62,6 +62,8 @@ from events.contract.messages import ApiReply
 from events.contract.subjects import POSITION_HEADER
 from runtime.env import Bus, BusError, Msg, NoResponders, RequestTimeout, Subscription
 
+from .auth import KeyRing, Need
+
 log = structlog.get_logger("gpumesh.gateway.control")
 
 RETRY_AFTER_S: Final = 2
@@ -250,6 +252,85 @@ async def json_errors(
         return ControlError(500, "internal", "internal error (logged by the gateway)").response()
 
 
+# -- who may call what -----------------------------------------------------------------------
+
+ROUTE_NEEDS: Final[dict[tuple[str, str], Need]] = {
+    ("GET", "/clusters"): "read",
+    ("GET", "/clusters/{name}"): "read",
+    ("GET", "/clusters/{name}/history"): "read",
+    ("GET", "/nodes"): "read",
+    ("GET", "/events"): "read",
+    ("GET", "/events/stream"): "read",
+    ("PUT", "/clusters/{name}"): "cluster",
+    ("PATCH", "/clusters/{name}"): "cluster",
+    ("POST", "/clusters/{name}/rollback"): "cluster",
+    ("DELETE", "/clusters/{name}"): "cluster",
+    ("POST", "/clusters"): "all",
+    ("POST", "/nodes/{node_id}/drain"): "all",
+    ("POST", "/nodes/{node_id}/undrain"): "all",
+    ("DELETE", "/nodes/{node_id}"): "all",
+}
+"""What each route needs of an admin key's scope (gateway/auth.py AdminScope.allows): `read`
+for any admin key, `cluster` for one that may change the cluster in the path, `all` for one
+that may do everything. HEAD is GET."""
+
+
+def route_need(method: str, path: str) -> Need | None:
+    """The need of a route (`method`, its path pattern under /api/v1); None for no route."""
+    return ROUTE_NEEDS.get(("GET" if method == "HEAD" else method, path))
+
+
+def authorize(
+    keys: KeyRing, needs: dict[web.AbstractRoute, Need | None]
+) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The middleware: 401 without an admin key, 403 with one whose scope does not allow the
+    route, in the JSON error shape, before anything of the request is read or asked. `needs`:
+    each route's need (filled by control_app once its routes are in); an unknown route (a 404
+    or 405 to come) needs an admin key of any scope."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        header = request.headers.get("Authorization")
+        need = needs.get(request.match_info.route)
+        cluster = request.match_info.get("name", "") if need == "cluster" else ""
+        access = keys.access(header, need, cluster)
+        if access == "no_key":
+            raise ControlError(401, "admin_key_required", _no_key_message(keys), headers=_CHALLENGE)
+        if access == "forbidden":
+            raise ControlError(403, "forbidden", _forbidden_message(keys, header, need, cluster))
+        return await handler(request)
+
+    return check
+
+
+_CHALLENGE: Final = {"WWW-Authenticate": "Bearer"}
+
+
+def _no_key_message(keys: KeyRing) -> str:
+    if not keys.has_admin_keys:
+        where = f" ({keys.path} has none)" if keys.path else ""
+        return (
+            f"the control API is closed: this gateway has no admin key{where}; give it a key "
+            "file with admin keys (--keys FILE), or --insecure-api for a local stack"
+        )
+    return "the control API needs an admin key (Authorization: Bearer <admin key>)"
+
+
+def _forbidden_message(keys: KeyRing, header: str | None, need: Need | None, cluster: str) -> str:
+    scope = keys.admin(header)
+    assert scope is not None
+    if scope.scope == "read":
+        allowed = "only reads (GET)"
+    else:
+        allowed = f"reads, and changes to clusters {', '.join(sorted(scope.clusters))}"
+    wanted = f"changes to cluster {cluster!r}" if need == "cluster" else "every verb"
+    return (
+        f"this admin key ({scope.name}, scope {scope.scope}) allows {allowed}; this needs {wanted}"
+    )
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
 # -- the app ---------------------------------------------------------------------------------
 
 
@@ -260,8 +341,11 @@ def control_app(
     events_poll: float = 5.0,
     keepalive: float = 15.0,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    keys: KeyRing | None = None,
 ) -> web.Application:
-    """The `/api/v1` sub-application. `timeout`: seconds to wait for each controller reply.
+    """The `/api/v1` sub-application. `keys`: who may call which route (ROUTE_NEEDS); None:
+    no check here (the caller has made its own). `timeout`: seconds to wait for each
+    controller reply.
     `body_timeout`: seconds a client has to deliver a whole request body (then 408).
     `events_poll`: while the live events subject is quiet for this long, a stream asks
     `events.list` whether it missed anything (a live message lost in a reconnect, or no outbox
@@ -275,6 +359,9 @@ def control_app(
         body_timeout=body_timeout,
     )
     app = web.Application(middlewares=[json_errors])
+    needs: dict[web.AbstractRoute, Need | None] = {}
+    if keys is not None:
+        app.middlewares.append(authorize(keys, needs))
     app.router.add_post("/clusters", api.create_cluster, name="clusters")
     app.router.add_get("/clusters", api.list_clusters)
     app.router.add_get("/clusters/{name}", api.get_cluster, name="cluster")
@@ -289,6 +376,8 @@ def control_app(
     app.router.add_delete("/nodes/{node_id}", api.remove_node)
     app.router.add_get("/events", api.list_events)
     app.router.add_get("/events/stream", api.stream_events)
+    for route in app.router.routes():  # before add_subapp prefixes their paths
+        needs[route] = route_need(route.method, route.resource.canonical if route.resource else "")
     return app
 
 

@@ -191,6 +191,13 @@ class Gateway:
                 self.url = f"{scheme}://{self.config.host}:{port}"
                 if not self.keys.enabled:
                     self.log.warning("auth_disabled", hint="no key file: every client is admitted")
+                if self.keys.api_open:
+                    self.log.warning(
+                        "control_api_open",
+                        hint="--insecure-api: anyone who reaches this gateway may call /api/v1",
+                    )
+                if self.keys.path:  # read again when the file changes
+                    tasks.create_task(self.keys.watch(self.log), name="key-file")
                 self.log.info("gateway_listening", url=self.url, transport=self.transport.name)
                 self.started.set()
                 tasks.create_task(self._publish_suspicions(), name="suspicions")

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -339,13 +340,42 @@ def _gateway(args: argparse.Namespace, bus: Any) -> Any:
 
     try:
         host, port = parse_listen(args.gateway)
-        keys = KeyRing.load(args.keys) if args.keys else KeyRing.open()
+        if args.keys:
+            keys = KeyRing.load(args.keys)
+        else:
+            path = admin_key_path(args.data_dir)
+            made = ensure_admin_key(path)
+            _progress(f"control API admin key {'created in' if made else 'kept in'} {path}")
+            keys = KeyRing.load_admin_key(path)
     except (ValueError, KeyFileError) as exc:
         raise CommandFailed(str(exc)) from None
     config = GatewayConfig(
         gateway_id=f"gw-up-{os.getpid()}", host=host, port=port, transport=args.transport
     )
     return real_gateway(args, bus, config, keys)
+
+
+def admin_key_path(data_dir: Path) -> Path:
+    from gateway.auth import ADMIN_KEY_FILE
+
+    return data_dir / ADMIN_KEY_FILE
+
+
+def ensure_admin_key(path: Path) -> bool:
+    """Make the control API's admin key file (mode 0600, one random key on its line) unless it
+    exists; True when it was made now. An existing one is kept as it is, so its key stays valid
+    from one `gpumesh up` to the next; `gpumesh gateway` finds it there too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return False
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        os.write(fd, f"gm-admin-{os.urandom(24).hex()}\n".encode())
+    finally:
+        os.close(fd)
+    return True
 
 
 async def _started(gateway: Any, task: asyncio.Task[None]) -> None:
@@ -376,6 +406,15 @@ def _summary(args: argparse.Namespace, url: str, controller: Any, gateway_url: s
     ]
     if gateway_url:
         lines.insert(2, f"  gateway:     {gateway_url}/v1  (OpenAI-compatible; /metrics)")
+        if args.keys:
+            lines.insert(3, f"  control API: {gateway_url}/api/v1  (admin keys in {args.keys})")
+        else:
+            key = admin_key_path(args.data_dir)
+            lines.insert(3, f"  control API: {gateway_url}/api/v1  (admin key in {key})")
+            lines.append(
+                f"  the API:     curl -s {gateway_url}/api/v1/nodes -H "
+                f'"Authorization: Bearer $(cat {shlex.quote(str(key))})"'
+            )
     if gateway_url and args.demo:
         lines.append(
             f"  ask it:      curl -s {gateway_url}/v1/chat/completions -H "

@@ -294,13 +294,24 @@ def test_only_admin_keys_is_a_valid_file(tmp_path: Path) -> None:
     assert ring.authenticate(bearer("gm-admin")) is None
 
 
-def test_auth_off_admits_everyone_as_anonymous_and_admin() -> None:
+def test_auth_off_admits_everyone_as_anonymous_and_the_api_is_closed() -> None:
     ring = KeyRing.open(clock=FakeClock())
     assert not ring.enabled
+    assert not ring.api_open
+    for header in (None, "", "Bearer anything", "garbage"):
+        assert ring.authenticate(header) is ANONYMOUS
+        assert not ring.is_admin(header)
+        assert ring.access(header, "read", "") == "no_key"
+    assert all(ring.admit(ANONYMOUS) == 0.0 for _ in range(10_000))
+
+
+def test_insecure_api_opens_the_control_api_to_everyone() -> None:
+    ring = KeyRing.open(insecure_api=True, clock=FakeClock())
+    assert ring.api_open
     for header in (None, "", "Bearer anything", "garbage"):
         assert ring.authenticate(header) is ANONYMOUS
         assert ring.is_admin(header)
-    assert all(ring.admit(ANONYMOUS) == 0.0 for _ in range(10_000))
+        assert ring.access(header, "all", "") == "ok"
 
 
 def test_from_mapping_matches_the_file_and_its_errors_have_no_path() -> None:
@@ -316,7 +327,8 @@ def test_from_mapping_matches_the_file_and_its_errors_have_no_path() -> None:
 
 ACME = '[tenants.acme]\nkeys = ["gm-a"]\n'
 NO_KEYS = (
-    "no keys: give admin_keys or a [tenants.<name>] table (run without a key file to turn auth off)"
+    "no keys: give admin_keys, an [admins.<name>] or a [tenants.<name>] table "
+    "(run without a key file to turn auth off)"
 )
 
 
@@ -375,7 +387,7 @@ NO_KEYS = (
         ('admin_keys = ["x", "x"]', "admin_keys[1]: duplicate key (also admin_keys[0])"),
         ('admin_keys = "x"', "admin_keys: must be a list of strings"),
         ('admin_keys = [""]', "admin_keys[0]: must not be empty"),
-        ('admin_key = ["x"]', "admin_key: unknown field (expected admin_keys, tenants)"),
+        ('admin_key = ["x"]', "admin_key: unknown field (expected admin_keys, admins, tenants)"),
         ("tenants = 3", "tenants: must be a table of [tenants.<name>]"),
         ("[tenants]\nacme = 3", "tenants.acme: must be a table"),
         (

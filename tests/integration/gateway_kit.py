@@ -222,7 +222,8 @@ async def running_gateway(
     gateway = Gateway(
         bus,
         config,
-        keys or KeyRing.open(),
+        # No keys: a local development stack, /api/v1 open as with `--insecure-api`.
+        keys or KeyRing.open(insecure_api=True),
         clock=LoopClock(),
         rng=random.Random(7),
         routing_log=routing_log,
