@@ -102,7 +102,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     cluster = commands.add_parser(
         "cluster",
         parents=list(parents),
-        help="create, apply, list, show, scale, roll back and delete clusters",
+        help="create, apply, plan, list, show, scale, roll back and delete clusters",
         description="Clusters through the control API.",
     )
     verbs = cluster.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND", required=True)
@@ -126,6 +126,18 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     apply.add_argument("-f", "--file", required=True, type=Path, help="the spec (TOML)")
     apply.add_argument("--json", action="store_true")
     apply.set_defaults(handler=cluster_apply)
+    plan = verbs.add_parser(
+        "plan",
+        parents=common,
+        help="the GPUs a spec's [sharding] section needs on the fleet as it is (places nothing)",
+        description="Work out the smallest set of free GPUs that holds the model of the spec's "
+        "[sharding] section: its stages (node, GPUs, layers), the estimated time per token, and "
+        "why each alternative was rejected (docs/sharding.md). Places nothing; exits 1 when "
+        "nothing fits.",
+    )
+    plan.add_argument("-f", "--file", required=True, type=Path, help="the spec (TOML)")
+    plan.add_argument("--json", action="store_true")
+    plan.set_defaults(handler=cluster_plan)
     history = verbs.add_parser(
         "history",
         parents=common,
@@ -489,6 +501,38 @@ async def cluster_apply(args: argparse.Namespace) -> int:
     spec = _read_spec(args.file)
     data = await call(args, "cluster.apply", spec)
     return _emit(args, data, f"{spec.name}: {data['message']}")
+
+
+async def cluster_plan(args: argparse.Namespace) -> int:
+    spec = _read_spec(args.file)
+    data = await call(args, "cluster.plan", spec)
+    if not data["fits"]:
+        lines = [data["reason"]]
+    else:
+        lines = [
+            f"{spec.name}: {data['gpus']} GPU{'s' if data['gpus'] != 1 else ''}, "
+            f"estimated {data['token_ms']:.2f} ms per token "
+            f"(compute {data['compute_ms']:.2f} + links {data['link_ms']:.2f})"
+        ]
+        lines.append(
+            f"{'STAGE':>5}  {'NODE':16} {'GPUS':10} {'MODEL':12} {'LAYERS':9} "
+            f"{'USED/VRAM MiB':>15}  {'MS':>7}"
+        )
+        for i, st in enumerate(data["stages"]):
+            gpus = ",".join(map(str, st["gpu_indices"]))
+            layers = f"{st['first_layer']}-{st['last_layer'] - 1}" if st["last_layer"] else "-"
+            used = f"{st['used_mib']}/{st['vram_mib']}"
+            lines.append(
+                f"{i:>5}  {st['node_id']:16} {gpus:10} {st['gpu_model']:12} "
+                f"{layers:9} {used:>15}  {st['compute_ms']:>7.2f}"
+            )
+    if data["rejected"]:
+        lines.append(f"rejected ({data['rejected_total']}):")
+        lines += [f"  {','.join(r['nodes'])}: {r['reason']}" for r in data["rejected"]]
+        if data["rejected_total"] > len(data["rejected"]):
+            lines.append(f"  ... and {data['rejected_total'] - len(data['rejected'])} more")
+    _emit(args, data, "\n".join(lines))
+    return 0 if data["fits"] else 1
 
 
 async def cluster_history(args: argparse.Namespace) -> int:

@@ -34,6 +34,7 @@ from .cluster_actor import (
     describe_change,
 )
 from .node_actor import Drain, NotRemovable, Remove, Undrain
+from .sharding import NoPlan, plan
 from .spec import SpecError, from_mapping
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class ControlApi:
             "cluster.apply": self._apply,
             "cluster.history": self._history,
             "cluster.rollback": self._rollback,
+            "cluster.plan": self._plan,
             "node.list": self._nodes,
             "node.drain": self._drain,
             "node.undrain": self._undrain,
@@ -107,6 +109,17 @@ class ControlApi:
         ref = await self.controller.cluster(req.name)
         done = await ref.ask(Rollback(req.to), timeout=30.0, expect=Revised)
         return self._revised(req.name, done)
+
+    async def _plan(self, body: bytes) -> Any:
+        """The sharding plan for the spec on the fleet as it is; places nothing."""
+        spec = from_mapping(msgspec.json.decode(body))
+        if spec.sharding is None:
+            raise SpecError("sharding: the spec has no [sharding] section to plan from")
+        state = self.state
+        nodes = [n for _, n in sorted(state.nodes.nodes.items())]
+        replicas = [r for _, r in sorted(state.replicas.replicas.items())]
+        result = plan(spec, nodes, replicas)
+        return {"fits": not isinstance(result, NoPlan), **msgspec.to_builtins(result)}
 
     def _revised(self, name: str, done: Revised) -> dict[str, Any]:
         return {**self._cluster(name), "changed": done.changed, "message": done.message}

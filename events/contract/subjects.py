@@ -62,6 +62,7 @@ API_VERBS = (
     "cluster.apply",
     "cluster.history",
     "cluster.rollback",
+    "cluster.plan",
     "node.list",
     "node.drain",
     "node.undrain",

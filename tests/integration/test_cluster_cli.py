@@ -155,3 +155,39 @@ async def test_node_verbs_end_to_end(
         assert code == 1 and "healthy, not offline" in err and err.count("\n") == 1
         code, _, err = await cli("nodes", "remove", "nope")
         assert code == 1 and "unknown node 'nope'" in err
+
+
+async def test_cluster_plan_end_to_end(
+    tmp_path: Path, nats_server_binary: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def spec(name: str, sharding: str) -> Path:
+        path = tmp_path / f"{name}.toml"
+        path.write_text(f'name = "{name}"\ncommand = "c"\n{sharding}')
+        return path
+
+    small = spec("small", "[sharding]\nweights_gib = 10\nlayers = 32\n")
+    pair = spec("pair", "[sharding]\nweights_gib = 30\nlayers = 32\n")
+    huge = spec("huge", '[sharding]\nweights_gib = 60\nlayers = 32\nparallelism = ["tensor"]\n')
+    bare = spec("bare", "")
+    async with Stack(tmp_path / "stack", agents=1, nats_binary=nats_server_binary) as stack:
+        cli = Cli(stack, capsys)
+        await cli.until(lambda ns: len(ns) == 1, "nodes", within=20, why="node-0 registered")
+
+        plan = await cli.json("cluster", "plan", "-f", str(small))
+        assert plan["fits"] and plan["gpus"] == 1
+        assert [(s["node_id"], s["gpu_indices"]) for s in plan["stages"]] == [("node-0", [0])]
+        code, out, err = await cli("cluster", "plan", "-f", str(pair))
+        assert code == 0, err
+        assert out.startswith("pair: 2 GPUs, estimated ")
+        assert "node-0" in out and "0,1" in out
+
+        code, out, err = await cli("cluster", "plan", "-f", str(huge))
+        assert code == 1
+        assert out.startswith("nothing fits huge, 60.0 GiB (60.0 weights + 0.0 KV cache)")
+        assert "node-0: does not fit: 60.0 GiB needed, 43.2 GiB usable on 2 RTX4090" in out
+
+        code, out, err = await cli("cluster", "plan", "-f", str(bare))
+        assert code == 1
+        assert "sharding: the spec has no [sharding] section to plan from" in err
+        # Planning placed nothing.
+        assert await cli.json("cluster", "list") == []
