@@ -8,7 +8,9 @@ import json
 import os
 import shlex
 import signal
+import stat
 import subprocess
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -57,6 +59,15 @@ def curl(command: str) -> dict[str, Any]:
     return answer
 
 
+def http_status(url: str, key: str) -> int:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 async def test_up_demo_comes_up_serves_the_printed_curl_and_stops_on_sigint(
     tmp_path: Path,
 ) -> None:
@@ -82,6 +93,15 @@ async def test_up_demo_comes_up_serves_the_printed_curl_and_stops_on_sigint(
             await bus.close()
         assert (cluster["desired"], cluster["ready"]) == (3, 3), cluster
         assert len({r["node_id"] for r in cluster["replicas"]}) == 3  # spread over the nodes
+
+        # The control API takes the admin key `up` made (0600, in the data directory).
+        key_file = data_dir / "admin-key"
+        assert summary["control API"].split()[0] == gateway.removesuffix("/v1") + "/api/v1"
+        assert str(key_file) in summary["the API"], summary
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        nodes = f"{gateway.removesuffix('/v1')}/api/v1/nodes"
+        assert await asyncio.to_thread(http_status, nodes, "") == 401
+        assert await asyncio.to_thread(http_status, nodes, key_file.read_text().strip()) == 200
 
         answer = await asyncio.to_thread(curl, ask)
         assert answer["object"] == "chat.completion" and answer["model"] == "echo", answer
