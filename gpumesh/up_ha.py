@@ -536,6 +536,14 @@ class HaStack:
         argv += ["--transport", self.args.transport, "--gateway-id", GATEWAY_ID]
         if self.args.keys:
             argv += ["--keys", str(self.args.keys)]
+        else:
+            # As `gpumesh up`: the control API is keyed, by a key kept in the data directory
+            # that the gateway finds there on its own.
+            from .up import admin_key_path, ensure_admin_key
+
+            key = admin_key_path(self.data_dir)
+            made = ensure_admin_key(key)
+            _progress(f"control API admin key {'created in' if made else 'kept in'} {key}")
         self.gateway = Program("gateway", GATEWAY_ID, [*argv, *self._common()],
                                self.logs / "gateway.log", port=port)  # fmt: skip
         await self.gateway.start()
@@ -827,6 +835,10 @@ class HaStack:
         ]
         if self.gateway_url:
             lines.append(f"  gateway:     {self.gateway_url}/v1  (OpenAI-compatible; /metrics)")
+            from .up import admin_key_path
+
+            keys = self.args.keys or admin_key_path(self.data_dir)
+            lines.append(f"  control API: {self.gateway_url}/api/v1  (admin key in {keys})")
         lines += [
             f"  NATS:        {self.urls}",
             "               "

@@ -147,6 +147,15 @@ async def test_up_ha_serves_through_the_loss_of_the_leader_and_of_a_nats_server(
                 answer = await resp.json()
                 assert resp.status == 200, answer
             assert "hello gpumesh" in answer["choices"][0]["message"]["content"], answer
+            # The control API is keyed, as with `gpumesh up`: by the data directory's key.
+            key_file = data_dir / "admin-key"
+            assert key_file.stat().st_mode & 0o777 == 0o600
+            api = gateway.removesuffix("/v1") + "/api/v1/nodes"
+            async with session.get(api) as resp:
+                assert resp.status == 401
+            bearer = {"Authorization": f"Bearer {key_file.read_text().strip()}"}
+            async with session.get(api, headers=bearer) as resp:
+                assert resp.status == 200, await resp.text()
             for _ in range(CLIENTS):
                 tasks.create_task(client(session, url, stop, requests))
             try:
