@@ -132,7 +132,7 @@ class NvmlProbe:
         )
         try:
             temperature = nv.nvmlDeviceGetTemperature(handle, _NVML_TEMPERATURE_GPU)
-            memory = nv.nvmlDeviceGetMemoryInfo(handle)
+            memory = self._memory(handle)
             utilization = self._optional(nv.nvmlDeviceGetUtilizationRates, handle, default=None)
             ecc = self._optional(
                 nv.nvmlDeviceGetTotalEccErrors,
@@ -156,6 +156,20 @@ class NvmlProbe:
             throttle_reasons=throttle_names(int(reasons)),
             power_w=float(power_mw) / 1000.0,
         )
+
+    def _memory(self, handle: Any) -> Any:
+        """Memory in use as nvidia-smi shows it. The first version of the call counts the
+        memory the driver reserves as used too: on an H100 with driver 580 it read 1,454 MiB
+        where nvidia-smi said 975 with nothing running (the device machine, 2026-11-26).
+        The second excludes it; drivers before R510, or a binding without it, get the first."""
+        nv = self._nvml
+        v2 = getattr(nv, "nvmlMemory_v2", None)
+        if v2 is not None:
+            try:
+                return nv.nvmlDeviceGetMemoryInfo(handle, version=v2)
+            except (nv.NVMLError, TypeError):
+                pass
+        return nv.nvmlDeviceGetMemoryInfo(handle)
 
     def _optional(self, fn: Any, *args: Any, default: Any) -> Any:
         try:

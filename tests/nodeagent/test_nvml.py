@@ -75,9 +75,19 @@ class FakeNvml:
     def nvmlDeviceGetUUID(self, handle: int) -> bytes:
         return f"GPU-{handle:08d}".encode()  # older pynvml returns bytes
 
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+    nvmlMemory_v2 = 0x02000028  # pynvml's: a struct version, passed as `version=`
+    memory_v2 = True  # False: a driver before R510, which refuses the second version
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> Any:
         mib = 1024 * 1024
-        return SimpleNamespace(total=81559 * mib, used=(1000 + handle) * mib, free=0)
+        if version is None:  # the first version counts the driver's reserve as used
+            return SimpleNamespace(total=81559 * mib, used=(1479 + handle) * mib, free=0)
+        if not self.memory_v2:
+            raise self.NVMLError("Function Not Found")
+        assert version == self.nvmlMemory_v2
+        return SimpleNamespace(
+            total=81559 * mib, used=(1000 + handle) * mib, reserved=479 * mib, free=0
+        )
 
     def nvmlSystemGetDriverVersion(self) -> str:
         return "550.54.15"
@@ -128,6 +138,19 @@ async def test_sample_reads_every_metric() -> None:
     assert first.xid_errors == 0  # not readable by polling (see nodeagent/gpu/nvml.py)
     assert first.throttle_reasons == ("gpu_idle", "hw_thermal_slowdown")
     assert first.power_w == pytest.approx(312.5)
+
+
+async def test_memory_in_use_is_read_as_nvidia_smi_shows_it() -> None:
+    """The second version of the memory call leaves out what the driver reserves (seen on
+    an H100: 1,454 MiB by the first where nvidia-smi said 975); an old driver gets the
+    first."""
+    probe = await NvmlProbe.open(nvml=FakeNvml(count=1))
+    (reading,) = await probe.sample()
+    assert reading.memory_used_mib == 1000
+    old = FakeNvml(count=1)
+    old.memory_v2 = False
+    (reading,) = await (await NvmlProbe.open(nvml=old)).sample()
+    assert reading.memory_used_mib == 1479
 
 
 async def test_readings_a_gpu_does_not_support_read_as_zero() -> None:
