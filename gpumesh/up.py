@@ -93,6 +93,13 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help="with --ha: print the summary (endpoints, and each process's role, pid and port) "
         "as one JSON line",
     )
+    up.add_argument(
+        "--no-metrics",
+        action="store_true",
+        help="do not serve the controller's and the agents' Prometheus metrics (by default "
+        "each serves GET /metrics on a free 127.0.0.1 port, printed in the summary with a "
+        "scrape configuration; docs/metrics.md)",
+    )
     up.set_defaults(handler=run_up, daemon=True)
 
 
@@ -144,8 +151,11 @@ async def run_up(args: argparse.Namespace) -> int:
             commands = await JetStreamCommandQueue.create(bus)
             await ensure_routing_log(bus)
             policy = health_policy(args) if hasattr(args, "heartbeat_interval") else HealthPolicy()
+            log_metrics = None if args.no_metrics else _log_metrics()
             controller = Controller(
-                real_env(store, bus=bus), commands, ControllerConfig(health=policy)
+                real_env(store, bus=bus),
+                commands,
+                ControllerConfig(health=policy, metrics=log_metrics),
             )
             outbox = OutboxPublisher(store, bus)
             stop = asyncio.Event()
@@ -175,7 +185,33 @@ async def _serve(
     logs: Path,
     stop: asyncio.Event,
 ) -> None:
-    """The controller, the gateway and the agents, until `stop`; then each stopped in turn."""
+    """The controller, the gateway and the agents, until `stop`; then each stopped in turn.
+    The controller's metrics (unless --no-metrics) are served around all of it."""
+    metrics: dict[str, str] = {}  # process name -> its /metrics URL
+    runner = None
+    if controller.config.metrics is not None:
+        runner = await _controller_metrics(controller)
+        bound = runner.addresses[0]
+        metrics["controller"] = f"http://{bound[0]}:{bound[1]}/metrics"
+    try:
+        await _serve_stack(args, url, bus, controller, outbox, gateway, agents, logs, stop, metrics)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+
+
+async def _serve_stack(
+    args: argparse.Namespace,
+    url: str,
+    bus: Any,
+    controller: Any,
+    outbox: Any,
+    gateway: Any,
+    agents: list[asyncio.subprocess.Process],
+    logs: Path,
+    stop: asyncio.Event,
+    metrics: dict[str, str],
+) -> None:
     say = _progress
     async with asyncio.TaskGroup() as tasks:
         ctl = tasks.create_task(controller.run(extra=[outbox.run]), name="controller")
@@ -186,12 +222,16 @@ async def _serve(
             gw = tasks.create_task(gateway.run(), name="gateway")
             await _started(gateway, gw)
             say(f"gateway serving on {gateway.url} ({args.transport} transport)")
+        ports = [] if args.no_metrics else _free_ports(args.nodes)
         for i in range(args.nodes):
-            agents.append(await _spawn_agent(url, i, args, logs))
+            port = ports[i] if ports else None
+            agents.append(await _spawn_agent(url, i, args, logs, metrics_port=port))
+            if port is not None:
+                metrics[f"node-{i}"] = f"http://127.0.0.1:{port}/metrics"
         await _wait_nodes(controller, args.nodes, stop, agents, logs)
         if args.demo and not stop.is_set():
             await _demo(bus, controller, stop)
-        _summary(args, url, controller, gateway.url if gateway else "")
+        _summary(args, url, controller, gateway.url if gateway else "", metrics)
         await stop.wait()
         say("stopping: the gateway, the agents (they stop their workloads), the controller")
         if gw is not None:
@@ -234,14 +274,97 @@ def _progress(text: str) -> None:
     print(f"gpumesh up: {text}", file=sys.stderr, flush=True)
 
 
+def _log_metrics() -> Any:
+    from actors.metrics import LogMetrics
+    from runtime.real_env import LoopClock
+
+    return LogMetrics(LoopClock())
+
+
+def _free_ports(count: int) -> list[int]:
+    from wire.nats_cluster import free_ports
+
+    return free_ports(count)
+
+
+class UpSource:
+    """The metrics source (actors.metrics.MetricsSource) of `up`'s in-process controller: it
+    leads from its start, with no lease and no standby."""
+
+    def __init__(self, controller: Any) -> None:
+        self._controller = controller
+
+    def fleet(self) -> Any:
+        return self._controller.live.state
+
+    def leading(self) -> bool:
+        return True
+
+    def term(self) -> int:
+        term: int = self._controller.config.term
+        return term
+
+    def log_metrics(self) -> Any:
+        return self._controller.config.metrics
+
+    def dropped(self) -> Any:
+        return self._controller.dropped
+
+    def standby_lag(self) -> int | None:
+        return None
+
+
+async def _controller_metrics(controller: Any) -> Any:
+    """Serve the in-process controller's metrics on a free 127.0.0.1 port (as `gpumesh
+    controller --metrics-listen 127.0.0.1:0` would); the runner, for its owner to clean up."""
+    from actors.metrics import ControllerCollector, new_registry
+    from wire.metrics_http import start_metrics
+
+    registry = new_registry(ControllerCollector(UpSource(controller)))
+    return await start_metrics(registry, "127.0.0.1:0", name="gpumesh up: controller")
+
+
+def scrape_configs(metrics: dict[str, str], gateway_url: str = "") -> dict[str, Any]:
+    """A Prometheus `scrape_configs` for what `up` runs: one job per role, its targets."""
+    from urllib.parse import urlsplit
+
+    jobs: dict[str, list[str]] = {}
+    if gateway_url:
+        jobs["gpumesh-gateway"] = [urlsplit(gateway_url).netloc]
+    for name, url in metrics.items():
+        job = "gpumesh-agent" if name.startswith("node-") else "gpumesh-controller"
+        jobs.setdefault(job, []).append(urlsplit(url).netloc)
+    return {
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": targets}]}
+            for job, targets in jobs.items()
+        ]
+    }
+
+
+def scrape_yaml(config: dict[str, Any]) -> list[str]:
+    """`scrape_configs(...)` as the YAML lines a prometheus.yml takes (flow lists: no YAML
+    library needed, and each job is one line to copy)."""
+    lines = ["scrape_configs:"]
+    for job in config["scrape_configs"]:
+        targets = ", ".join(f'"{t}"' for t in job["static_configs"][0]["targets"])
+        lines += [
+            f"  - job_name: {job['job_name']}",
+            f"    static_configs: [{{targets: [{targets}]}}]",
+        ]
+    return lines
+
+
 async def _spawn_agent(
-    url: str, index: int, args: argparse.Namespace, logs: Path
+    url: str, index: int, args: argparse.Namespace, logs: Path, *, metrics_port: int | None = None
 ) -> asyncio.subprocess.Process:
     from wire.nats_access import SecurityLayout
 
     node_id = f"node-{index}"
     creds = SecurityLayout(args.data_dir).creds(node_id)
     secured = ["--nats-creds", str(creds)] if url.startswith("tls://") else []
+    if metrics_port is not None:
+        secured += ["--metrics-listen", f"127.0.0.1:{metrics_port}"]
     # Opening a local log file is instant; the child inherits the descriptor.
     log: IO[bytes] = open(logs / f"agent-{node_id}.log", "ab")  # noqa: SIM115, ASYNC230
     try:
@@ -389,7 +512,13 @@ async def _started(gateway: Any, task: asyncio.Task[None]) -> None:
         task.result()
 
 
-def _summary(args: argparse.Namespace, url: str, controller: Any, gateway_url: str) -> None:
+def _summary(
+    args: argparse.Namespace,
+    url: str,
+    controller: Any,
+    gateway_url: str,
+    metrics: dict[str, str] | None = None,
+) -> None:
     routes = controller.live.state.routing.routes.get(DEMO_CLUSTER, ())
     lines = [
         "",
@@ -427,6 +556,14 @@ def _summary(args: argparse.Namespace, url: str, controller: Any, gateway_url: s
             '\'Content-Type: application/json\' -d \'{"model": "echo", "messages": '
             '[{"role": "user", "content": "hello gpumesh"}]}\''
         )
+    if metrics:
+        width = max(len(name) for name in metrics)
+        labels = iter(["  metrics:     "])
+        for name, where in metrics.items():
+            lines.append(f"{next(labels, ' ' * 15)}{name.ljust(width)}  {where}")
+        lines.append("  prometheus:  a scrape configuration for all of them (prometheus.yml):")
+        config = scrape_configs(metrics, gateway_url)
+        lines += [f"               {line}" for line in scrape_yaml(config)]
     lines.append("  stop:        Ctrl-C")
     print("\n".join(lines), flush=True)
 

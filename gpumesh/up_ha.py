@@ -86,11 +86,20 @@ class Program:
     `up`, which stops it in order), its output appended to `log`."""
 
     def __init__(
-        self, role: str, name: str, argv: Sequence[str], log: Path, port: int | None = None
+        self,
+        role: str,
+        name: str,
+        argv: Sequence[str],
+        log: Path,
+        port: int | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.role = role
         self.name = name
         self.port = port
+        # Where it serves GET /metrics (`--metrics-listen 127.0.0.1:PORT`, in argv), if it does:
+        # picked once by `up`, so that a restart serves on the same port.
+        self.metrics_port = metrics_port
         self.argv = list(argv)
         self._log = log
         self._proc: asyncio.subprocess.Process | None = None
@@ -501,15 +510,27 @@ class HaStack:
         if self.args.demo:
             await self._demo()
 
+    def _metrics_ports(self, count: int) -> list[int | None]:
+        """Free 127.0.0.1 ports for `count` processes' metrics; None each with --no-metrics."""
+        from wire.nats_cluster import free_ports
+
+        if self.args.no_metrics:
+            return [None] * count
+        return list(free_ports(count))
+
     async def _start_controllers(self) -> None:
-        for name in CONTROLLERS:
+        metrics = self._metrics_ports(len(CONTROLLERS))
+        for name, metrics_port in zip(CONTROLLERS, metrics, strict=True):
             # Through its own relays (ControllerLinks): what `gpumesh chaos` may cut.
             argv = ["controller", "--nats", self.links.urls(name), "--controller-id", name]
             # The log of record on a stream of three copies: the controllers share no disk,
             # and a standby follows the log as it is written.
             argv += ["--event-log", "jetstream"]
+            if metrics_port is not None:
+                argv += ["--metrics-listen", f"127.0.0.1:{metrics_port}"]
+            log = self.logs / f"controller-{name}.log"
             program = Program(
-                "controller", name, [*argv, *self._common()], self.logs / f"controller-{name}.log"
+                "controller", name, [*argv, *self._common()], log, metrics_port=metrics_port
             )
             self.controllers.append(program)
             await program.start()
@@ -558,6 +579,7 @@ class HaStack:
         from .up import REGIONS
 
         ports = free_ports(self.args.nodes)
+        metrics = self._metrics_ports(self.args.nodes)
         for index in range(self.args.nodes):
             node_id = f"node-{index}"
             argv = ["agent", "--nats", self.urls]
@@ -569,8 +591,12 @@ class HaStack:
             argv += ["--node-id", node_id, "--fake-gpus", self.args.fake_gpus]
             argv += ["--region", REGIONS[index % len(REGIONS)]]
             argv += ["--front-port", str(ports[index])]
+            metrics_port = metrics[index]
+            if metrics_port is not None:
+                argv += ["--metrics-listen", f"127.0.0.1:{metrics_port}"]
             program = Program("agent", node_id, [*argv, *self._common()],
-                              self.logs / f"agent-{node_id}.log", port=ports[index])  # fmt: skip
+                              self.logs / f"agent-{node_id}.log", port=ports[index],
+                              metrics_port=metrics_port)  # fmt: skip
             self.agents.append(program)
             await program.start()
         seen = -1
@@ -783,6 +809,11 @@ class HaStack:
             }
             if isinstance(child, NatsMember):
                 row["route_port"] = child.route_port
+            if isinstance(child, Program) and child.role in ("controller", "agent"):
+                port = child.metrics_port
+                row["metrics"] = f"http://127.0.0.1:{port}/metrics" if port is not None else None
+            elif child.role == "gateway":
+                row["metrics"] = f"{self.gateway_url}/metrics"
             if child.role == "controller":
                 row["leads"] = child.name == self.leader
                 row["nats"] = self.links.urls(child.name)  # its relays, one per server
@@ -790,6 +821,19 @@ class HaStack:
                 row["cut"] = self.links.is_cut(child.name)
             rows.append(row)
         return rows
+
+    def metrics(self) -> dict[str, str]:
+        """The controllers' and the agents' /metrics URLs, by name (none with --no-metrics)."""
+        return {
+            child.name: f"http://127.0.0.1:{child.metrics_port}/metrics"
+            for child in [*self.controllers, *self.agents]
+            if child.metrics_port is not None
+        }
+
+    def scrape_configs(self) -> dict[str, Any]:
+        from .up import scrape_configs
+
+        return scrape_configs(self.metrics(), self.gateway_url)
 
     def _write_processes(self) -> None:
         from .security.pki import write_private
@@ -799,6 +843,7 @@ class HaStack:
             "gateway": self.gateway_url,
             "control": self.links.control,  # "" when the socket could not be made
             "processes": self.processes(),
+            "scrape_configs": self.scrape_configs()["scrape_configs"],
         }
         write_private(self.data_dir / PROCESSES_FILE, json.dumps(data, indent=2).encode())
 
@@ -816,6 +861,8 @@ class HaStack:
                 "term": self.term,
                 "ready_s": round(self.ready_s, 2),
                 "processes": rows,
+                # For prometheus.yml as it is (JSON is YAML): every process that serves metrics.
+                "scrape_configs": self.scrape_configs()["scrape_configs"],
             }
             print(json.dumps(data), flush=True)
             return
@@ -860,6 +907,17 @@ class HaStack:
             + line[4]
             for line in table
         ]
+        metrics = self.metrics()
+        if metrics:
+            from .up import scrape_yaml
+
+            width = max(len(name) for name in metrics)
+            lines.append("")
+            labels = iter(["  metrics:     "])
+            for name, where in metrics.items():
+                lines.append(f"{next(labels, ' ' * 15)}{name.ljust(width)}  {where}")
+            lines.append("  prometheus:  a scrape configuration for all of them (prometheus.yml):")
+            lines += [f"               {line}" for line in scrape_yaml(self.scrape_configs())]
         lines += [
             "",
             "  kill any of them for a try: requests keep being served, a standby leads within "

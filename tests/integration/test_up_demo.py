@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import stat
@@ -25,16 +26,34 @@ pytestmark = pytest.mark.integration
 
 
 def read_summary(up: subprocess.Popen[bytes]) -> dict[str, str]:
-    """The summary `gpumesh up` prints once it is up, as label -> rest of the line."""
+    """The summary `gpumesh up` prints once it is up, as label -> rest of the line; the whole
+    of it under "text"."""
     assert up.stdout is not None
     summary: dict[str, str] = {}
+    text: list[str] = []
     for raw in up.stdout:
+        text.append(raw.decode())
         label, sep, rest = raw.decode().strip().partition(":")
         if sep:
             summary[label] = rest.strip()
         if label == "stop":
             break
+    summary["text"] = "".join(text)
     return summary
+
+
+def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """GET a /metrics URL: metric family -> its samples' labels -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert url.startswith("http://127.0.0.1:"), url  # loopback only
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return {
+        family.name: {tuple(sorted(s.labels.items())): s.value for s in family.samples}
+        for family in text_string_to_metric_families(text)
+    }
 
 
 def curl(command: str) -> dict[str, Any]:
@@ -102,6 +121,17 @@ async def test_up_demo_comes_up_serves_the_printed_curl_and_stops_on_sigint(
         nodes = f"{gateway.removesuffix('/v1')}/api/v1/nodes"
         assert await asyncio.to_thread(http_status, nodes, "") == 401
         assert await asyncio.to_thread(http_status, nodes, key_file.read_text().strip()) == 200
+
+        # The controller (in `up`'s process) and each agent serve Prometheus metrics on a port
+        # of their own, printed with a scrape configuration for them all.
+        where = dict(re.findall(r"(controller|node-\d+)\s+(http://\S+/metrics)", summary["text"]))
+        assert sorted(where) == ["controller", "node-0", "node-1", "node-2"], summary["text"]
+        assert "job_name: gpumesh-controller" in summary["text"], summary["text"]
+        controller = await asyncio.to_thread(scrape, where["controller"])
+        assert sum(controller["gpumesh_controller_nodes"].values()) == 3, controller
+        assert controller["gpumesh_controller_leader"] == {(): 1.0}
+        agent = await asyncio.to_thread(scrape, where["node-1"])
+        assert agent["gpumesh_agent_registered"] == {(("node", "node-1"),): 1.0}, agent
 
         answer = await asyncio.to_thread(curl, ask)
         assert answer["object"] == "chat.completion" and answer["model"] == "echo", answer

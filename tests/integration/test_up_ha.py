@@ -136,6 +136,7 @@ async def test_up_ha_serves_through_the_loss_of_the_leader_and_of_a_nats_server(
         assert gateway.startswith("http://127.0.0.1:") and gateway.endswith("/v1"), summary
         leader, term = summary["leader"], summary["term"]
         assert leader in ("ctl-0", "ctl-1") and term > 0
+        await scrape_the_printed_metrics(summary, data_dir, leader)
 
         bus = admin = await connect_admin(data_dir, summary["nats"], "test-up-ha")
         kv = KvLease(admin, timeout=1.0)
@@ -214,6 +215,26 @@ async def test_up_ha_serves_through_the_loss_of_the_leader_and_of_a_nats_server(
             await bus.close()
         reap(up)
         await asyncio.to_thread(kill_marked, marker)
+
+
+async def scrape_the_printed_metrics(summary: dict[str, Any], data_dir: Path, leader: str) -> None:
+    """Each controller and agent serves metrics on a port of its own, named per process in the
+    summary and in up-ha.json, with a scrape configuration for all of them."""
+    from tests.integration.test_up_demo import scrape
+
+    where = {p["name"]: p["metrics"] for p in summary["processes"] if p.get("metrics")}
+    assert sorted(where) == ["ctl-0", "ctl-1", "gw-0", "node-0", "node-1", "node-2"], where
+    assert {n: p.get("metrics") for n, p in processes(data_dir).items()} == {
+        p["name"]: p.get("metrics") for p in summary["processes"]
+    }
+    jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in summary["scrape_configs"]}
+    assert sorted(jobs) == ["gpumesh-agent", "gpumesh-controller", "gpumesh-gateway"], jobs
+    assert len(jobs["gpumesh-controller"]) == 2 and len(jobs["gpumesh-agent"]) == 3, jobs
+    controller = await asyncio.to_thread(scrape, where[leader])
+    assert controller["gpumesh_controller_leader"] == {(): 1.0}, controller
+    assert sum(controller["gpumesh_controller_nodes"].values()) == 3, controller
+    agent = await asyncio.to_thread(scrape, where["node-0"])
+    assert agent["gpumesh_agent_registered"] == {(("node", "node-0"),): 1.0}, agent
 
 
 async def pid_alive_again(data_dir: Path, victim: dict[str, Any]) -> bool:
