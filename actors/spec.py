@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from events import ClusterSpec, ShardingSpec
+from events import ClusterSpec, ProbeSpec, ShardingSpec
 from events.ids import valid_id
 
 from .errors import ControllerError
@@ -71,6 +71,21 @@ def validate(spec: ClusterSpec) -> None:
     _validate_regions(spec.regions)
     if spec.sharding is not None:
         _validate_sharding(spec.sharding)
+    _validate_probes(spec.probes)
+
+
+def _validate_probes(p: ProbeSpec) -> None:
+    """The `[probes]` section: unset fields are the defaults; set ones must make sense."""
+    for name in ("readiness_path", "liveness_path"):
+        path = getattr(p, name)
+        if path is not None and not path.startswith("/"):
+            raise SpecError(f"probes.{name}: must start with /, got {path!r}")
+    for name in ("readiness_timeout_s", "liveness_interval_s", "liveness_timeout_s"):
+        value = getattr(p, name)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise SpecError(f"probes.{name}: must be a finite number > 0, got {value}")
+    if p.liveness_failures is not None and p.liveness_failures < 1:
+        raise SpecError(f"probes.liveness_failures: must be at least 1, got {p.liveness_failures}")
 
 
 def _validate_sharding(s: ShardingSpec) -> None:

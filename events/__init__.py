@@ -20,6 +20,7 @@ from .cluster import (
     ClusterSpecChanged as ClusterSpecChanged,
     ClusterUnschedulable as ClusterUnschedulable,
     GpuRequirement as GpuRequirement,
+    ProbeSpec as ProbeSpec,
     RolloutPolicy as RolloutPolicy,
     ShardingSpec as ShardingSpec,
 )

@@ -40,6 +40,21 @@ class ShardingSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     link_rtt_ms: float = 1.0  # assumed round trip between nodes
 
 
+class ProbeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How the agent probes a replica (a spec's `[probes]` section). Every field is optional:
+    unset (None), a path falls back as noted and a number to the agent's own setting
+    (nodeagent/workload/probing.py ProbeSettings: 300 s, 2 s, 3 and 2 s unless the agent says
+    otherwise). Added after v1 was written: older logs decode with every field unset, which
+    probes as they always did (readiness and liveness on `health_path`)."""
+
+    readiness_path: str | None = None  # None: the spec's health_path
+    readiness_timeout_s: float | None = None  # how long a starting replica may take to be ready
+    liveness_path: str | None = None  # None: the readiness path
+    liveness_interval_s: float | None = None  # between liveness probes once ready
+    liveness_failures: int | None = None  # failed probes in a row that end the workload
+    liveness_timeout_s: float | None = None  # per liveness probe
+
+
 class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a user declares: what to run, on which GPUs, how many replicas."""
 
@@ -63,6 +78,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # The model's memory, for `cluster plan` (actors/sharding.py). Added after v1: older logs
     # decode with None, and a spec without it asks for `gpu.count` GPUs as it always did.
     sharding: ShardingSpec | None = None
+    # Readiness and liveness paths, timeouts and patience (the `[probes]` section). Added after
+    # v1: older logs decode with every field unset and are probed as they always were.
+    probes: ProbeSpec = ProbeSpec()
 
 
 class ClusterCreated(

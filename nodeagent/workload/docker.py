@@ -27,7 +27,7 @@ from .base import (
     render_args,
 )
 from .ports import free_port
-from .probing import ProbeSettings, exit_within, wait_ready, watch
+from .probing import ProbeSettings, exit_within, probe_paths, wait_ready, watch
 
 _log = structlog.get_logger("gpumesh.nodeagent.docker")
 
@@ -179,13 +179,15 @@ class DockerDriver:
         log_path = self.log_dir / f"{replica_id}-{epoch}.log"
         logs = await _follow_logs(self.docker, container, log_path)
         _log.info("container_started", replica=replica_id, epoch=epoch, container=container[:12])
-        url = f"http://{self.host}:{host_port}{spec.health_path}"
+        ready_path, live_path = probe_paths(spec)
+        base = f"http://{self.host}:{host_port}"
         return DockerWorkload(
             self.docker,
             container,
             port=host_port,
-            url=url,
-            probes=self.probes,
+            url=base + ready_path,
+            liveness_url=base + live_path,
+            probes=self.probes.for_spec(spec),
             waiter=waiter,
             logs=logs,
         )
@@ -202,13 +204,15 @@ class DockerWorkload:
         port: int,
         url: str,
         probes: ProbeSettings,
+        liveness_url: str = "",
         waiter: asyncio.subprocess.Process,
         logs: asyncio.subprocess.Process,
     ) -> None:
         self._docker = docker
         self.container = container
         self._port = port
-        self.url = url
+        self.url = url  # the readiness probe's
+        self.liveness_url = liveness_url or url
         self._probes = probes
         self._waiter = waiter
         self._logs = logs
@@ -231,7 +235,7 @@ class DockerWorkload:
         return await wait_ready(self.url, self._probes, self._wait_exit)
 
     async def wait_ended(self) -> WorkloadEnded:
-        return await watch(self.url, self._probes, self._wait_exit)
+        return await watch(self.liveness_url, self._probes, self._wait_exit)
 
     async def stop(self, grace_s: float) -> WorkloadEnded:
         try:

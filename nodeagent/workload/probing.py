@@ -5,11 +5,16 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import aiohttp
 
+from events.cluster import ClusterSpec
+
 from .base import WorkloadEnded
+
+_T = TypeVar("_T")
 
 ExitWaiter = Callable[[], Awaitable[int]]
 """Returns the workload's exit code once it has exited (cancellable)."""
@@ -17,23 +22,55 @@ ExitWaiter = Callable[[], Awaitable[int]]
 
 @dataclass(frozen=True, slots=True)
 class ProbeSettings:
+    """The agent's probe settings: the defaults for a spec whose `[probes]` section leaves a
+    value unset (events.cluster.ProbeSpec); a value the spec sets wins (`for_spec`)."""
+
     readiness_timeout_s: float = 300.0  # loading a large model's weights takes minutes
     readiness_interval_s: float = 0.2
     liveness_interval_s: float = 2.0
     liveness_failures: int = 3  # in a row: one slow answer under load is not a dead server
-    request_timeout_s: float = 2.0
+    request_timeout_s: float = 2.0  # per readiness probe, and per liveness probe unless set
+    liveness_timeout_s: float | None = None  # per liveness probe; None: request_timeout_s
 
     def __post_init__(self) -> None:
         if self.liveness_failures < 1:
             raise ValueError(f"liveness_failures must be at least 1, got {self.liveness_failures}")
 
+    @property
+    def liveness_request_timeout_s(self) -> float:
+        if self.liveness_timeout_s is None:
+            return self.request_timeout_s
+        return self.liveness_timeout_s
+
+    def for_spec(self, spec: ClusterSpec) -> ProbeSettings:
+        """These settings with the values the spec's `[probes]` section sets."""
+        p = spec.probes
+        return replace(
+            self,
+            readiness_timeout_s=_pick(p.readiness_timeout_s, self.readiness_timeout_s),
+            liveness_interval_s=_pick(p.liveness_interval_s, self.liveness_interval_s),
+            liveness_failures=_pick(p.liveness_failures, self.liveness_failures),
+            liveness_timeout_s=_pick(p.liveness_timeout_s, self.liveness_timeout_s),
+        )
+
+
+def _pick(spec_value: _T | None, agent_value: _T) -> _T:
+    return agent_value if spec_value is None else spec_value
+
+
+def probe_paths(spec: ClusterSpec) -> tuple[str, str]:
+    """(readiness path, liveness path): the liveness path defaults to the readiness path, and
+    that to the spec's `health_path`."""
+    readiness = spec.probes.readiness_path or spec.health_path
+    return readiness, spec.probes.liveness_path or readiness
+
 
 @asynccontextmanager
-async def _session(settings: ProbeSettings) -> AsyncIterator[aiohttp.ClientSession]:
+async def _session(timeout_s: float) -> AsyncIterator[aiohttp.ClientSession]:
     # force_close: every probe opens a fresh connection, as a new client would; a kept-alive
     # socket can outlive a wedged accept loop and make a dead server look healthy.
     connector = aiohttp.TCPConnector(force_close=True)
-    timeout = aiohttp.ClientTimeout(total=settings.request_timeout_s)
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         yield session
 
@@ -65,7 +102,7 @@ async def wait_ready(
 ) -> WorkloadEnded | None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.readiness_timeout_s
-    async with _session(settings) as session:
+    async with _session(settings.request_timeout_s) as session:
         while True:
             failure = await check(session, url, settings.request_timeout_s)
             if not failure:
@@ -83,13 +120,16 @@ async def wait_ready(
 
 
 async def watch(url: str, settings: ProbeSettings, wait_exit: ExitWaiter) -> WorkloadEnded:
+    """Probe a ready workload's liveness `url` every `liveness_interval_s`; it ends after
+    `liveness_failures` failed probes in a row (or when it exits)."""
     failures = 0
-    async with _session(settings) as session:
+    timeout_s = settings.liveness_request_timeout_s
+    async with _session(timeout_s) as session:
         while True:
             code = await exit_within(wait_exit, settings.liveness_interval_s)
             if code is not None:
                 return WorkloadEnded("exited", code)
-            failure = await check(session, url, settings.request_timeout_s)
+            failure = await check(session, url, timeout_s)
             failures = failures + 1 if failure else 0
             if failures >= settings.liveness_failures:
                 # A server that just died fails its checks too; its exit code says more.

@@ -22,7 +22,7 @@ from events.cluster import ClusterSpec
 from .base import WorkloadEnded, WorkloadStartError, gpu_ids, model_name, render_args
 from .leftovers import Records, die_with_parent
 from .ports import free_port
-from .probing import ProbeSettings, exit_within, wait_ready, watch
+from .probing import ProbeSettings, exit_within, probe_paths, wait_ready, watch
 
 _log = structlog.get_logger("gpumesh.nodeagent.process")
 
@@ -91,7 +91,8 @@ class ProcessDriver:
         finally:
             log_file.close()  # the child holds its own copy of the descriptor
         _log.info("workload_launched", replica=replica_id, epoch=epoch, pid=proc.pid, port=port)
-        url = f"http://{self.host}:{port}{spec.health_path}"
+        ready_path, live_path = probe_paths(spec)
+        base = f"http://{self.host}:{port}"
         forget = None
         if self.records is not None:
             records = self.records
@@ -101,7 +102,13 @@ class ProcessDriver:
                 records.remove(replica_id, epoch)
 
         return ProcessWorkload(
-            proc, port=port, url=url, probes=self.probes, log_path=log_path, on_gone=forget
+            proc,
+            port=port,
+            url=base + ready_path,
+            liveness_url=base + live_path,
+            probes=self.probes.for_spec(spec),
+            log_path=log_path,
+            on_gone=forget,
         )
 
 
@@ -124,13 +131,15 @@ class ProcessWorkload:
         port: int,
         url: str,
         probes: ProbeSettings,
+        liveness_url: str = "",
         log_path: Path,
         on_gone: Callable[[], None] | None = None,
     ) -> None:
         self._on_gone = on_gone  # once the whole group has ended
         self._proc = proc
         self._port = port
-        self.url = url
+        self.url = url  # the readiness probe's
+        self.liveness_url = liveness_url or url
         self._probes = probes
         self.log_path = log_path
 
@@ -154,7 +163,7 @@ class ProcessWorkload:
         return await wait_ready(self.url, self._probes, self._proc.wait)
 
     async def wait_ended(self) -> WorkloadEnded:
-        return await watch(self.url, self._probes, self._proc.wait)
+        return await watch(self.liveness_url, self._probes, self._proc.wait)
 
     async def stop(self, grace_s: float) -> WorkloadEnded:
         loop = asyncio.get_running_loop()

@@ -61,3 +61,72 @@ def test_a_spec_written_before_regions_existed_still_decodes() -> None:
     event = decode_payload("cluster.created.v1", old)
     assert isinstance(event, ClusterCreated)
     assert event.spec.regions == () and event.spec.preferred_region == "eu-west"
+
+
+def test_probes_default_to_the_agent_settings_and_the_health_path() -> None:
+    from events import ProbeSpec
+    from nodeagent.workload.probing import ProbeSettings, probe_paths
+
+    spec = parse_toml('name = "x"\ncommand = "c"\nhealth_path = "/healthz"')
+    assert spec.probes == ProbeSpec()
+    assert probe_paths(spec) == ("/healthz", "/healthz")
+    agent = ProbeSettings(readiness_timeout_s=20.0, liveness_failures=5)
+    assert agent.for_spec(spec) == agent  # nothing set: the agent's own settings, unchanged
+    defaults = ProbeSettings().for_spec(spec)  # and those are today's behaviour
+    assert (defaults.readiness_timeout_s, defaults.liveness_interval_s) == (300.0, 2.0)
+    assert (defaults.liveness_failures, defaults.liveness_request_timeout_s) == (3, 2.0)
+
+
+def test_probes_set_in_the_spec_win_over_the_agent_settings() -> None:
+    from nodeagent.workload.probing import ProbeSettings, probe_paths
+
+    spec = parse_toml(
+        'name = "x"\ncommand = "c"\n[probes]\nreadiness_path = "/ready"\n'
+        "readiness_timeout_s = 900\nliveness_interval_s = 5\nliveness_failures = 4\n"
+        "liveness_timeout_s = 1.5"
+    )
+    assert probe_paths(spec) == ("/ready", "/ready")  # liveness defaults to the readiness path
+    settings = ProbeSettings(readiness_interval_s=0.05).for_spec(spec)
+    assert settings.readiness_timeout_s == 900.0 and settings.readiness_interval_s == 0.05
+    assert (settings.liveness_interval_s, settings.liveness_failures) == (5.0, 4)
+    assert settings.liveness_request_timeout_s == 1.5 and settings.request_timeout_s == 2.0
+    split = parse_toml('name = "x"\ncommand = "c"\n[probes]\nliveness_path = "/live"')
+    assert probe_paths(split) == ("/health", "/live")
+
+
+@pytest.mark.parametrize(
+    ("probes", "message"),
+    [
+        ('readiness_path = "ready"', "probes.readiness_path: must start with /"),
+        ('liveness_path = ""', "probes.liveness_path: must start with /"),
+        ("readiness_timeout_s = 0", "probes.readiness_timeout_s: must be a finite number > 0"),
+        ("liveness_interval_s = -1", "probes.liveness_interval_s: must be a finite number > 0"),
+        ("liveness_timeout_s = inf", "probes.liveness_timeout_s: must be a finite number > 0"),
+        ("liveness_failures = 0", "probes.liveness_failures: must be at least 1, got 0"),
+        ('liveness_failures = "3"', "probes.liveness_failures: Expected `int | null`, got `str`"),
+        ('readiness_timeout_s = "5m"', "probes.readiness_timeout_s: Expected `float | null`"),
+    ],
+)
+def test_bad_probes_name_the_field_and_the_problem(probes: str, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_toml(f'name = "x"\ncommand = "c"\n[probes]\n{probes}')
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
+
+
+def test_a_spec_written_before_probes_existed_decodes_and_encodes_unchanged() -> None:
+    import msgspec
+
+    from events import ClusterSpecChanged, ProbeSpec
+
+    # As an older release stored them: no `probes` key, so every probe setting is unset.
+    old = b'{"type":"cluster.created.v1","spec":{"name":"llama","command":"c","health_path":"/h"}}'
+    event = decode_payload("cluster.created.v1", old)
+    assert isinstance(event, ClusterCreated)
+    assert event.spec.probes == ProbeSpec() and event.spec.health_path == "/h"
+    assert msgspec.json.encode(event) == old  # the default is omitted: the same bytes again
+    changed = (
+        b'{"type":"cluster.spec_changed.v1","spec":{"name":"llama","command":"c"},"revision":2}'
+    )
+    later = decode_payload("cluster.spec_changed.v1", changed)
+    assert isinstance(later, ClusterSpecChanged) and later.spec.probes == ProbeSpec()
