@@ -217,6 +217,26 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         sub.add_argument("node", metavar="NODE")
         sub.add_argument("--json", action="store_true")
         sub.set_defaults(handler=node_verb)
+    text = (
+        "no new replicas on NODE until TIME (or until uncordon); the replicas it runs keep serving"
+    )
+    cordon = node_verbs.add_parser("cordon", parents=common, help=text, description=text + ".")
+    cordon.add_argument("node", metavar="NODE")
+    cordon.add_argument(
+        "--until",
+        metavar="TIME",
+        default="",
+        help="an ISO 8601 time with Z or an offset (2026-11-26T03:00:00Z) or a duration from "
+        "now (30m, 2h, 1d); without it the cordon lasts until uncordon",
+    )
+    cordon.add_argument("--reason", default="", help="why, recorded with the cordon")
+    cordon.add_argument("--json", action="store_true")
+    cordon.set_defaults(handler=node_cordon)
+    text = "NODE takes new replicas again before its cordon ends (it must be cordoned)"
+    uncordon = node_verbs.add_parser("uncordon", parents=common, help=text, description=text + ".")
+    uncordon.add_argument("node", metavar="NODE")
+    uncordon.add_argument("--json", action="store_true")
+    uncordon.set_defaults(handler=node_verb)
 
 
 def _health_args(parser: argparse.ArgumentParser) -> None:
@@ -586,13 +606,33 @@ async def cluster_delete(args: argparse.Namespace) -> int:
     return _emit(args, data, f"deleted cluster {args.name}")
 
 
-_NODE_VERB_DONE = {"drain": "draining", "undrain": "undrained", "remove": "removed"}
+_NODE_VERB_DONE = {
+    "drain": "draining",
+    "undrain": "undrained",
+    "remove": "removed",
+    "uncordon": "uncordoned",
+}
 
 
 async def node_verb(args: argparse.Namespace) -> int:
     verb = args.node_command
     data = await call(args, f"node.{verb}", {"node_id": args.node})
     return _emit(args, data, f"{_NODE_VERB_DONE[verb]} {args.node}")
+
+
+async def node_cordon(args: argparse.Namespace) -> int:
+    from events.contract.messages import parse_until
+
+    from .scheduler import cordon_end
+
+    try:
+        until_ns = parse_until(args.until, time.time_ns()) if args.until else 0
+    except ValueError as exc:
+        raise CommandFailed(str(exc).replace("until: ", "--until: ", 1)) from None
+    body = {"node_id": args.node, "until_ns": until_ns, "reason": args.reason}
+    data = await call(args, "node.cordon", body)
+    why = f": {data['reason']}" if data.get("reason") else ""
+    return _emit(args, data, f"cordoned {args.node} until {cordon_end(until_ns)}{why}")
 
 
 async def list_nodes(args: argparse.Namespace) -> int:
@@ -605,6 +645,9 @@ async def list_nodes(args: argparse.Namespace) -> int:
         temps = [g.get("temperature_c", 0.0) for g in n["metrics"]]
         hottest = f"{max(temps):.0f} C" if temps else "-"
         state = n["health"] + (" (drained)" if n["drained"] else "")
+        until = n.get("cordoned_until_ns", 0)
+        if until < 0 or until > time.time_ns():
+            state += " (cordoned)"
         rows.append(
             f"{n['node_id']:16} {state:10} {n['health_reason']:18} "
             f"{n['region'] or '-':10} {len(n['gpus']):>4}  {hottest}"

@@ -591,10 +591,11 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
             # In the controller's grace some nodes are not heard from yet: a decision that
             # would be different with them (none fits, or one stacks replicas) waits for them.
             waiting = len(nodes) < len(fleet.nodes.nodes)
-            decision = schedule(nodes, spec, everyone, rng, avoid=avoid)
+            now_ns = ctx.env.clock.wall_ns()  # a cordon holds until this passes its end
+            decision = schedule(nodes, spec, everyone, rng, avoid=avoid, now_ns=now_ns)
             if isinstance(decision, NoFit) and avoid:
                 # The node the slot failed on is the only fit: better there than nowhere.
-                decision = schedule(nodes, spec, everyone, rng)
+                decision = schedule(nodes, spec, everyone, rng, now_ns=now_ns)
             if waiting and (isinstance(decision, NoFit) or _stacks(decision, spec, everyone)):
                 return placed, None  # a later pass, once they are heard from, places it
             if isinstance(decision, NoFit):

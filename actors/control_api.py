@@ -12,6 +12,7 @@ from events.catalog import HEARTBEAT_TYPE
 from events.contract import subjects
 from events.contract.messages import (
     ApiReply,
+    CordonRequest,
     DrainRequest,
     EventsRequest,
     NameRequest,
@@ -33,7 +34,8 @@ from .cluster_actor import (
     Scale,
     describe_change,
 )
-from .node_actor import Drain, NotRemovable, Remove, Undrain
+from .node_actor import Cordon, Drain, NotRemovable, Remove, Uncordon, Undrain
+from .scheduler import cordon_end, cordoned
 from .sharding import NoPlan, plan
 from .spec import SpecError, from_mapping
 
@@ -62,6 +64,8 @@ class ControlApi:
             "node.drain": self._drain,
             "node.undrain": self._undrain,
             "node.remove": self._remove,
+            "node.cordon": self._cordon,
+            "node.uncordon": self._uncordon,
             "routing.get": self._routing,
             "events.list": self._events,
         }
@@ -210,6 +214,37 @@ class ControlApi:
         ref = await self.controller.node(req.node_id)
         await ref.ask(Remove("removed by operator"), timeout=30.0)
         return {"node_id": req.node_id, "removed": True}
+
+    async def _cordon(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=CordonRequest)
+        self._known_node(req.node_id)
+        now = self.controller.env.clock.wall_ns()
+        if req.until_ns < 0 or 0 < req.until_ns <= now:
+            raise ClusterError(
+                f"until: {cordon_end(req.until_ns) if req.until_ns > 0 else req.until_ns} is "
+                f"in the past (now {cordon_end(now)})"
+            )
+        reason = " ".join(req.reason.split()) or "cordoned by operator"
+        ref = await self.controller.node(req.node_id)
+        await ref.ask(Cordon(req.until_ns, reason), timeout=30.0)
+        return {
+            "node_id": req.node_id,
+            "cordoned": True,
+            "until_ns": req.until_ns,
+            "reason": reason,
+        }
+
+    async def _uncordon(self, body: bytes) -> Any:
+        req = msgspec.json.decode(body, type=DrainRequest)
+        node = self._known_node(req.node_id)
+        if not node.cordoned_until_ns:
+            raise ClusterError(f"node {req.node_id!r} is not cordoned")
+        if not cordoned(node, self.controller.env.clock.wall_ns()):
+            ended = cordon_end(node.cordoned_until_ns)
+            raise ClusterError(f"node {req.node_id!r} is not cordoned (its cordon ended {ended})")
+        ref = await self.controller.node(req.node_id)
+        await ref.ask(Uncordon("uncordoned by operator"), timeout=30.0)
+        return {"node_id": req.node_id, "cordoned": False}
 
     def _known_node(self, node_id: str) -> NodeView:
         node = self.state.nodes.nodes.get(node_id)

@@ -17,10 +17,12 @@ import msgspec
 
 from events import (
     DomainEvent,
+    NodeCordoned,
     NodeDrained,
     NodeHealthChanged,
     NodeRegistered,
     NodeRemoved,
+    NodeUncordoned,
     NodeUndrained,
     stream_name,
 )
@@ -44,6 +46,7 @@ class NodeState(msgspec.Struct, kw_only=True):
     drained: bool = False
     leaving: bool = False  # drained because its agent said it was going away
     removed: bool = False
+    cordoned: bool = False  # a cordon recorded and not lifted (it may have ended since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,19 @@ class Undrain:
 
 
 @dataclass(frozen=True, slots=True)
+class Cordon:
+    """No new replicas on the node until `until_ns` (wall clock ns; 0: until uncordoned)."""
+
+    until_ns: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Uncordon:
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Remove:
     """Take the node out of the fleet's listings: only an offline node (its replicas have
     already moved); its agent registering again brings it back."""
@@ -92,7 +108,7 @@ class LookFailed:
     error: Exception
 
 
-NodeMsg = Beat | Join | CheckSilence | Drain | Undrain | Remove | LookFailed
+NodeMsg = Beat | Join | CheckSilence | Drain | Undrain | Cordon | Uncordon | Remove | LookFailed
 
 
 class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
@@ -163,8 +179,13 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             case NodeUndrained():
                 state.drained = False
                 state.leaving = False
+            case NodeCordoned():
+                state.cordoned = True
+            case NodeUncordoned():
+                state.cordoned = False
             case NodeRemoved():
                 state.removed = True
+                state.cordoned = False  # as the registry: registering again starts afresh
             case _:
                 pass
         return state
@@ -275,6 +296,17 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
                 if self.state.drained:
                     return await self.persist(
                         ctx, [NodeUndrained(node_id=self.node_id, reason=reason)]
+                    )
+                return []
+            case Cordon(until_ns=until_ns, reason=reason):
+                # Recorded again, a cordon replaces the one before (a new end, a new reason).
+                cordon = NodeCordoned(node_id=self.node_id, until_ns=until_ns, reason=reason)
+                ctx.log.info("node_cordoned", until_ns=until_ns, reason=reason)
+                return await self.persist(ctx, [cordon])
+            case Uncordon(reason=reason):
+                if self.state.cordoned:
+                    return await self.persist(
+                        ctx, [NodeUncordoned(node_id=self.node_id, reason=reason)]
                     )
                 return []
             case Remove(reason=reason, asked=asked):

@@ -6,11 +6,12 @@ so a replay folds the recorded decision and never has to run the scheduler again
 
 The decision has two stages:
 
-1. Filters. A node is rejected, with a one-line reason, if it is not healthy, is drained, is in
-   `avoid`, is outside `spec.regions` (when the spec names any), lacks one of the spec's labels,
-   or has fewer than `spec.gpu.count` free GPUs of one accepted model with at least
-   `spec.gpu.min_vram_mib` each. A replica's GPUs are all of one model: tensor-parallel shards
-   on mixed models run at the pace and memory of the weakest.
+1. Filters. A node is rejected, with a one-line reason, if it is not healthy, is drained, is
+   cordoned (until a time after `now_ns`, or until uncordoned), is in `avoid`, is outside
+   `spec.regions` (when the spec names any), lacks one of the spec's labels, or has fewer than
+   `spec.gpu.count` free GPUs of one accepted model with at least `spec.gpu.min_vram_mib`
+   each. A replica's GPUs are all of one model: tensor-parallel shards on mixed models run at
+   the pace and memory of the weakest.
 2. Ranking. The nodes left are compared lexicographically, so each rule only matters when every
    rule before it ties, and the deciding rule can be named:
 
@@ -34,6 +35,7 @@ as a name like any other.
 
 from __future__ import annotations
 
+import datetime as dt
 import heapq
 import math
 from collections import Counter
@@ -47,7 +49,7 @@ from events import Candidate, ClusterSpec, GpuInfo
 from projections.views import NodeView, ReplicaView
 from runtime.env import RandomSource
 
-__all__ = ["NoFit", "Placement", "free_gpus", "schedule"]
+__all__ = ["NoFit", "Placement", "cordon_end", "cordoned", "free_gpus", "schedule"]
 
 # A failed or stopped replica's process is gone, so its GPUs are free again.
 RELEASED = frozenset({"failed", "stopped"})
@@ -84,12 +86,30 @@ def free_gpus(node: NodeView, placements: Iterable[ReplicaView]) -> tuple[int, .
 
 
 def eligible_gpus(
-    node: NodeView, spec: ClusterSpec, placements: Iterable[ReplicaView]
+    node: NodeView, spec: ClusterSpec, placements: Iterable[ReplicaView], *, now_ns: int = 0
 ) -> tuple[int, ...] | None:
     """The GPUs `node` could give one more replica of `spec` now, or None if it cannot take
-    one (unhealthy, drained, region, labels, GPU model, VRAM, too few free GPUs). For checkers."""
-    verdict = _filter(node, spec, _taken(placements).get(node.node_id, set()), ())
+    one (unhealthy, drained, cordoned at `now_ns`, region, labels, GPU model, VRAM, too few free
+    GPUs). For checkers."""
+    taken = _taken(placements).get(node.node_id, set())
+    verdict = _filter(node, spec, taken, (), now_ns=now_ns)
     return None if isinstance(verdict, _Reject) else verdict
+
+
+def cordoned(node: NodeView, now_ns: int) -> bool:
+    """Whether the node's cordon holds at `now_ns` (wall clock ns): one with no end always."""
+    until = node.cordoned_until_ns
+    return until < 0 or now_ns < until
+
+
+def cordon_end(until_ns: int) -> str:
+    """A cordon's end as the operator wrote it: `2026-11-26T03:00:00Z` (UTC, to the second;
+    finer when it has a fraction), or `uncordoned` for none (-1 or 0)."""
+    if until_ns <= 0:
+        return "uncordoned"
+    seconds, ns = divmod(until_ns, 1_000_000_000)
+    stamp = dt.datetime.fromtimestamp(seconds, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S")
+    return f"{stamp}.{ns:09d}".rstrip("0") + "Z" if ns else stamp + "Z"
 
 
 def schedule(
@@ -99,12 +119,15 @@ def schedule(
     rng: RandomSource,
     *,
     avoid: Collection[str] = (),
+    now_ns: int = 0,
 ) -> Placement | NoFit:
     """Choose a node and GPUs for one more replica of `spec`, or say why none fits.
 
     `placements` are the replicas of all clusters; failed and stopped ones are ignored. `avoid`
     names nodes this decision must not use (a hard filter: a caller that would rather place there
-    than nowhere asks again without it).
+    than nowhere asks again without it). `now_ns`: the placement's wall clock, ns since the
+    epoch; a node cordoned until a later time (or with no end) is rejected. The default, 0,
+    holds every recorded cordon.
     """
     if spec.gpu.count < 0:
         # A bad spec must not crash the reconciler that calls us on every tick.
@@ -128,7 +151,7 @@ def schedule(
     for node in nodes:
         node_id = node.node_id
         used = taken.get(node_id, no_use)
-        verdict = _filter(node, spec, used, avoid, need)
+        verdict = _filter(node, spec, used, avoid, need, now_ns=now_ns)
         if isinstance(verdict, _Reject):
             rejects.append((node_id, verdict))
             continue
@@ -322,6 +345,8 @@ def _filter(
     taken: Collection[int],
     avoid: Collection[str],
     need: _Need | None = None,
+    *,
+    now_ns: int = 0,
 ) -> tuple[int, ...] | _Reject:
     """The GPUs this node would give the replica, or why it cannot take it."""
     if need is None:
@@ -331,13 +356,17 @@ def _filter(
         return _Reject(0, node.health, node.health, f"{node.health}{why}")
     if node.drained:
         return _Reject(1, "drained", "drained", "drained")
+    if node.cordoned_until_ns and cordoned(node, now_ns):
+        why = f": {node.cordon_reason}" if node.cordon_reason else ""
+        detail = _line(f"cordoned until {cordon_end(node.cordoned_until_ns)}{why}")
+        return _Reject(2, "cordoned", "cordoned", detail)
     if node.node_id in avoid:
-        return _Reject(2, "avoided", "avoided", "avoided for this placement")
+        return _Reject(3, "avoided", "avoided", "avoided for this placement")
     if spec.regions and node.region not in spec.regions:
         # "/" as for GPU models: a NoFit summary already separates its causes with commas.
         allowed = "/".join(spec.regions)
         return _Reject(
-            3,
+            4,
             f"is outside regions {allowed}",
             f"are outside regions {allowed}",
             f"region {node.region or '?'} not in {allowed}",
@@ -349,7 +378,7 @@ def _filter(
             detail = (
                 f"label {key}={want} missing" if have is None else f"label {key}={have}, not {want}"
             )
-            return _Reject(4, f"lacks labels {wanted}", f"lack labels {wanted}", detail)
+            return _Reject(5, f"lacks labels {wanted}", f"lack labels {wanted}", detail)
     return _choose_gpus(node, need, taken)
 
 
@@ -362,13 +391,13 @@ def _choose_gpus(node: NodeView, need: _Need, taken: Collection[int]) -> tuple[i
     of_model = [g for g in gpus if not accepted or g.model in accepted]
     if not of_model:
         what = need.what
-        return _Reject(5, f"has no {what}", f"have no {what}", f"no {what} ({_inventory(gpus)})")
+        return _Reject(6, f"has no {what}", f"have no {what}", f"no {what} ({_inventory(gpus)})")
     big = [g for g in of_model if g.vram_mib >= need.min_vram_mib]
     if not big:
         what, vram = need.what, need.vram
         largest = max(g.vram_mib for g in of_model)
         return _Reject(
-            6, f"has no {what}{vram}", f"have no {what}{vram}", f"no {what}{vram} ({largest} MiB)"
+            7, f"has no {what}{vram}", f"have no {what}{vram}", f"no {what}{vram} ({largest} MiB)"
         )
     free: dict[str, list[int]] = {}
     for gpu in big:
@@ -387,7 +416,7 @@ def _choose_gpus(node: NodeView, need: _Need, taken: Collection[int]) -> tuple[i
         have = f"0 free {what}"
     one_model = " of one model" if len(free) > 1 else ""
     return _Reject(
-        7,
+        8,
         f"has {short} {what}{vram}",
         f"have {short} {what}{vram}",
         f"{have}{vram}, needs {count}{one_model}",

@@ -48,11 +48,13 @@ from .memory_store import MemoryEventStore as MemoryEventStore
 from .node import (
     GpuInfo as GpuInfo,
     GpuMetrics as GpuMetrics,
+    NodeCordoned as NodeCordoned,
     NodeDrained as NodeDrained,
     NodeHealthChanged as NodeHealthChanged,
     NodeHeartbeat as NodeHeartbeat,
     NodeRegistered as NodeRegistered,
     NodeRemoved as NodeRemoved,
+    NodeUncordoned as NodeUncordoned,
     NodeUndrained as NodeUndrained,
 )
 from .replica import (

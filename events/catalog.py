@@ -18,11 +18,13 @@ from .controller import TERMS_STREAM, ControllerGrace, LeaderTermBegan
 from .errors import InvalidAppend
 from .ids import valid_id
 from .node import (
+    NodeCordoned,
     NodeDrained,
     NodeHealthChanged,
     NodeHeartbeat,
     NodeRegistered,
     NodeRemoved,
+    NodeUncordoned,
     NodeUndrained,
 )
 from .replica import (
@@ -36,7 +38,14 @@ from .replica import (
 )
 
 NodeEvent: TypeAlias = (
-    NodeRegistered | NodeHeartbeat | NodeHealthChanged | NodeDrained | NodeUndrained | NodeRemoved
+    NodeRegistered
+    | NodeHeartbeat
+    | NodeHealthChanged
+    | NodeDrained
+    | NodeUndrained
+    | NodeCordoned
+    | NodeUncordoned
+    | NodeRemoved
 )
 ClusterEvent: TypeAlias = (
     ClusterCreated
@@ -64,6 +73,8 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     NodeHealthChanged,
     NodeDrained,
     NodeUndrained,
+    NodeCordoned,
+    NodeUncordoned,
     NodeRemoved,
     ClusterCreated,
     ClusterSpecChanged,
@@ -84,7 +95,15 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
 
 HEARTBEAT_TYPE = "node.heartbeat.v1"
 
-_NODE_TYPES = (NodeRegistered, NodeHealthChanged, NodeDrained, NodeUndrained, NodeRemoved)
+_NODE_TYPES = (
+    NodeRegistered,
+    NodeHealthChanged,
+    NodeDrained,
+    NodeUndrained,
+    NodeCordoned,
+    NodeUncordoned,
+    NodeRemoved,
+)
 # Heartbeats have a stream of their own beside `node/<id>`: the controller records them in
 # batches, one append for many nodes, without taking a turn in each NodeActor's mailbox, and
 # the NodeActor, which owns `node/<id>` and its decisions, never races those appends.

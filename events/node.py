@@ -100,6 +100,28 @@ class NodeUndrained(
     reason: str = ""
 
 
+class NodeCordoned(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.cordoned.v1"
+):
+    """No new replicas go to the node until `until_ns` (wall clock, ns since the epoch; 0: until
+    it is uncordoned); the replicas it runs keep serving. A cordon recorded again replaces the
+    one before. Its end needs no event of its own: placements accept the node again once the
+    clock passes it."""
+
+    node_id: str
+    until_ns: int = 0
+    reason: str = ""
+
+
+class NodeUncordoned(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.uncordoned.v1"
+):
+    """The cordon is lifted before its end: the node takes new replicas again."""
+
+    node_id: str
+    reason: str = ""
+
+
 class NodeRemoved(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.removed.v1"
 ):

@@ -18,6 +18,8 @@ its own and works with any controller that answers on NATS.
     POST   /nodes/{id}/drain      node.drain                                       -> 200
     POST   /nodes/{id}/undrain    node.undrain     (409 if it is not drained)      -> 200
     DELETE /nodes/{id}            node.remove      (409 unless it is offline)      -> 200
+    POST   /nodes/{id}/cordon     node.cordon      body: {"until": T, "reason": R} -> 200
+    POST   /nodes/{id}/uncordon   node.uncordon    (409 if it is not cordoned)     -> 200
     GET    /events                events.list      ?after=&limit=&heartbeats=0|1   -> 200
     GET    /events/stream         Server-Sent Events: the log from `after`, then live
 
@@ -36,7 +38,7 @@ only when one input is to blame: a JSON path (`$.replicas`) for a body, the para
     405 method_not_allowed
     408 request_timeout          the body did not arrive within `body_timeout` (slow client)
     409 conflict                 the controller says it already exists, or the node is
-                                 not in the state the verb needs (undrain, remove)
+                                 not in the state the verb needs (undrain, remove, uncordon)
     502 bad_reply                the controller's reply could not be decoded
     503 controller_unavailable   no controller subscribed (NoResponders; with Retry-After: 2),
                                  or the bus failed
@@ -58,9 +60,10 @@ from aiohttp import web
 
 from events.catalog import HEARTBEAT_TYPE
 from events.contract import subjects
-from events.contract.messages import ApiReply
+from events.contract.messages import ApiReply, parse_until
 from events.contract.subjects import POSITION_HEADER
 from runtime.env import Bus, BusError, Msg, NoResponders, RequestTimeout, Subscription
+from runtime.real_env import LoopClock
 
 from .auth import KeyRing, Need
 
@@ -95,6 +98,14 @@ class RollbackBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`POST /clusters/{name}/rollback`; an empty body rolls back to the previous revision."""
 
     to: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class CordonBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /nodes/{id}/cordon`; an empty body cordons until uncordoned. `until`: an ISO 8601
+    time with Z or an offset, or a duration from now (`30m`, `2h`)."""
+
+    until: str = ""
+    reason: str = ""
 
 
 class EventsQuery(msgspec.Struct, frozen=True):
@@ -269,6 +280,8 @@ ROUTE_NEEDS: Final[dict[tuple[str, str], Need]] = {
     ("POST", "/nodes/{node_id}/drain"): "all",
     ("POST", "/nodes/{node_id}/undrain"): "all",
     ("DELETE", "/nodes/{node_id}"): "all",
+    ("POST", "/nodes/{node_id}/cordon"): "all",
+    ("POST", "/nodes/{node_id}/uncordon"): "all",
 }
 """What each route needs of an admin key's scope (gateway/auth.py AdminScope.allows): `read`
 for any admin key, `cluster` for one that may change the cluster in the path, `all` for one
@@ -374,6 +387,8 @@ def control_app(
     app.router.add_post("/nodes/{node_id}/drain", api.drain_node)
     app.router.add_post("/nodes/{node_id}/undrain", api.undrain_node)
     app.router.add_delete("/nodes/{node_id}", api.remove_node)
+    app.router.add_post("/nodes/{node_id}/cordon", api.cordon_node)
+    app.router.add_post("/nodes/{node_id}/uncordon", api.uncordon_node)
     app.router.add_get("/events", api.list_events)
     app.router.add_get("/events/stream", api.stream_events)
     for route in app.router.routes():  # before add_subapp prefixes their paths
@@ -557,6 +572,32 @@ class _ControlApi:
 
     async def remove_node(self, request: web.Request) -> web.Response:
         return _ok(await self.call("node.remove", {"node_id": request.match_info["node_id"]}))
+
+    async def cordon_node(self, request: web.Request) -> web.Response:
+        raw = await read_body(request, self.body_timeout)
+        try:
+            body = msgspec.json.decode(raw or b"{}", type=CordonBody)
+        except msgspec.ValidationError as exc:  # before DecodeError: it is one
+            raise validation_error(exc) from None
+        except msgspec.DecodeError as exc:
+            raise invalid(f"body: not valid JSON ({exc})", "$") from None
+        until_ns = 0
+        if body.until:
+            try:
+                # A duration counts from the gateway's wall clock; whether the end is still to
+                # come is the controller's to judge, on its own.
+                until_ns = parse_until(body.until, LoopClock().wall_ns())
+            except ValueError as exc:
+                raise invalid(str(exc), "$.until") from None
+        request_body = {
+            "node_id": request.match_info["node_id"],
+            "until_ns": until_ns,
+            "reason": body.reason,
+        }
+        return _ok(await self.call("node.cordon", request_body))
+
+    async def uncordon_node(self, request: web.Request) -> web.Response:
+        return _ok(await self.call("node.uncordon", {"node_id": request.match_info["node_id"]}))
 
     # -- events ---------------------------------------------------------------------------
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from events import (
     Envelope,
+    NodeCordoned,
     NodeDrained,
     NodeHealthChanged,
     NodeHeartbeat,
     NodeRegistered,
     NodeRemoved,
+    NodeUncordoned,
     NodeUndrained,
 )
 
@@ -48,6 +50,8 @@ def apply(state: NodeRegistry, envelope: Envelope) -> NodeRegistry:
                 health_reason=previous.health_reason if previous else "registered",
                 health_detail=previous.health_detail if previous else "",
                 drained=previous.drained if previous else False,
+                cordoned_until_ns=previous.cordoned_until_ns if previous else 0,
+                cordon_reason=previous.cordon_reason if previous else "",
                 last_heartbeat_at=previous.last_heartbeat_at if previous else 0,
                 last_heartbeat_seq=previous.last_heartbeat_seq if previous else 0,
                 metrics=previous.metrics if previous else (),
@@ -71,6 +75,18 @@ def apply(state: NodeRegistry, envelope: Envelope) -> NodeRegistry:
             view = state.nodes.get(undrained.node_id)
             if view is not None:
                 view.drained = False
+                view.version = envelope.version
+        case NodeCordoned() as cordoned:
+            view = state.nodes.get(cordoned.node_id)
+            if view is not None:
+                view.cordoned_until_ns = cordoned.until_ns or -1  # 0 in the event: no end
+                view.cordon_reason = cordoned.reason
+                view.version = envelope.version
+        case NodeUncordoned() as uncordoned:
+            view = state.nodes.get(uncordoned.node_id)
+            if view is not None:
+                view.cordoned_until_ns = 0
+                view.cordon_reason = ""
                 view.version = envelope.version
         case NodeRemoved() as removed:
             state.nodes.pop(removed.node_id, None)

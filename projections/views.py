@@ -30,6 +30,11 @@ class NodeView(msgspec.Struct, kw_only=True):
     health_reason: str = "registered"
     health_detail: str = ""
     drained: bool = False
+    # Cordon (node.cordoned.v1): 0 none; -1 until uncordoned; otherwise its end, wall clock ns
+    # since the epoch. An ended cordon stays recorded here: placements compare it with their
+    # clock (actors/scheduler.py), and no event marks its end.
+    cordoned_until_ns: int = 0
+    cordon_reason: str = ""
     last_heartbeat_at: int = 0  # recorded_at of the latest heartbeat, ns
     last_heartbeat_seq: int = 0
     metrics: tuple[GpuMetrics, ...] = ()

@@ -7,6 +7,8 @@ the facts they carry into events after validating them.
 
 from __future__ import annotations
 
+import datetime as dt
+import re
 from typing import Any, Literal, TypeAlias
 
 import msgspec
@@ -228,6 +230,41 @@ class RollbackRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
 
 class DrainRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     node_id: str
+
+
+class CordonRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """`node.cordon`: no new replicas on the node until `until_ns`; its replicas keep serving."""
+
+    node_id: str
+    until_ns: int = 0  # wall clock, ns since the epoch; 0: until node.uncordon
+    reason: str = ""
+
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_until(text: str, now_ns: int) -> int:
+    """A cordon's end as `until_ns`: an ISO 8601 time with `Z` or an offset
+    (`2026-11-26T03:00:00Z`, `2026-11-26T04:00+01:00`), or a duration from `now_ns` (`90s`,
+    `30m`, `2h`, `1d`). Raises ValueError with a one-line reason. Whether the end is still to
+    come is the controller's to judge, on its own clock."""
+    text = text.strip()
+    if duration := _DURATION.match(text):
+        seconds = float(duration.group(1)) * _UNIT_S[duration.group(2)]
+        if seconds <= 0:
+            raise ValueError(f"until: a duration must be positive, got {text!r}")
+        return now_ns + round(seconds * 1e9)
+    try:
+        when = dt.datetime.fromisoformat(text.replace("z", "Z"))
+    except ValueError:
+        raise ValueError(
+            f"until: not a time or a duration: {text!r} (try 2026-11-26T03:00:00Z, 30m or 2h)"
+        ) from None
+    if when.tzinfo is None:
+        raise ValueError(f"until: {text!r} has no time zone (end it with Z or an offset, +01:00)")
+    delta = when - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
 
 
 class EventsRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

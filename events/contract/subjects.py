@@ -67,6 +67,8 @@ API_VERBS = (
     "node.drain",
     "node.undrain",
     "node.remove",
+    "node.cordon",
+    "node.uncordon",
     "routing.get",
     "events.list",
 )

@@ -61,6 +61,8 @@ EXPECTED: dict[tuple[str, str], set[str]] = {
     ("POST", "/nodes/{node_id}/drain"): {"all"},
     ("POST", "/nodes/{node_id}/undrain"): {"all"},
     ("DELETE", "/nodes/{node_id}"): {"all"},
+    ("POST", "/nodes/{node_id}/cordon"): {"all"},
+    ("POST", "/nodes/{node_id}/uncordon"): {"all"},
 }
 
 

@@ -191,3 +191,49 @@ async def test_cluster_plan_end_to_end(
         assert "sharding: the spec has no [sharding] section to plan from" in err
         # Planning placed nothing.
         assert await cli.json("cluster", "list") == []
+
+
+async def test_node_cordon_end_to_end(
+    tmp_path: Path, nats_server_binary: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec_file = tmp_path / "echo.toml"
+    spec_file.write_text(SPEC)
+    async with Stack(tmp_path / "stack", agents=1, nats_binary=nats_server_binary) as stack:
+        cli = Cli(stack, capsys)
+        await cli.until(lambda ns: len(ns) == 1, "nodes", within=20, why="node-0 registered")
+        code, out, err = await cli("nodes", "uncordon", "node-0")
+        assert code == 1 and out == "" and err.count("\n") == 1 and "not cordoned" in err
+        code, out, err = await cli("nodes", "cordon", "node-0", "--until", "2001-01-01T00:00:00Z")
+        assert code == 1 and err.count("\n") == 1 and "is in the past" in err
+        code, out, err = await cli("nodes", "cordon", "node-0", "--until", "soon")
+        assert code == 1 and err.count("\n") == 1 and "--until: not a time or a duration" in err
+        code, _, err = await cli("nodes", "cordon", "nope")
+        assert code == 1 and "unknown node 'nope'" in err
+
+        code, out, err = await cli(
+            "nodes", "cordon", "node-0", "--until", "2h", "--reason", "kernel upgrade"
+        )
+        assert code == 0, err
+        assert out.startswith("cordoned node-0 until 20") and out.endswith("Z: kernel upgrade\n")
+        [node] = await cli.json("nodes")
+        assert node["cordoned_until_ns"] > 0 and node["cordon_reason"] == "kernel upgrade"
+        code, out, _ = await cli("nodes")
+        assert "(cordoned)" in out
+        assert (await cli("cluster", "create", "-f", str(spec_file)))[0] == 0
+        [echo] = await cli.until(
+            lambda cs: cs and cs[0]["unschedulable"], "cluster", "list", within=20, why="no fit"
+        )
+        assert "1 cordoned" in echo["unschedulable"]
+        assert await cli.json("nodes", "uncordon", "node-0") == {
+            "node_id": "node-0",
+            "cordoned": False,
+        }
+        await cli.until(
+            lambda cs: cs[0]["ready"] == 1, "cluster", "list", within=30, why="placed on node-0"
+        )
+        assert (await cli("nodes", "cordon", "node-0")) == (
+            0,
+            "cordoned node-0 until uncordoned: cordoned by operator\n",
+            "",
+        )
+        assert await cli("nodes", "uncordon", "node-0") == (0, "uncordoned node-0\n", "")

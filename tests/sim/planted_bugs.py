@@ -28,6 +28,7 @@ def stacking(real: Schedule) -> Schedule:
         rng: RandomSource,
         *,
         avoid: Collection[str] = (),
+        now_ns: int = 0,
     ) -> scheduler.Placement | scheduler.NoFit:
         held = {
             p.node_id
@@ -36,10 +37,10 @@ def stacking(real: Schedule) -> Schedule:
         }
         stacked = [n for n in nodes if n.node_id in held]
         if stacked:
-            decision = real(stacked, spec, placements, rng, avoid=avoid)
+            decision = real(stacked, spec, placements, rng, avoid=avoid, now_ns=now_ns)
             if isinstance(decision, scheduler.Placement):
                 return decision
-        return real(nodes, spec, placements, rng, avoid=avoid)
+        return real(nodes, spec, placements, rng, avoid=avoid, now_ns=now_ns)
 
     return schedule
 
