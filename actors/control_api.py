@@ -122,7 +122,7 @@ class ControlApi:
         state = self.state
         nodes = [n for _, n in sorted(state.nodes.nodes.items())]
         replicas = [r for _, r in sorted(state.replicas.replicas.items())]
-        result = plan(spec, nodes, replicas)
+        result = plan(spec, nodes, replicas, now_ns=self.controller.env.clock.wall_ns())
         return {"fits": not isinstance(result, NoPlan), **msgspec.to_builtins(result)}
 
     def _revised(self, name: str, done: Revised) -> dict[str, Any]:

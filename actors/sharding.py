@@ -212,15 +212,20 @@ class _Ctx:
 
 
 def plan(
-    spec: ClusterSpec, nodes: Sequence[NodeView], placements: Sequence[ReplicaView]
+    spec: ClusterSpec,
+    nodes: Sequence[NodeView],
+    placements: Sequence[ReplicaView],
+    *,
+    now_ns: int = 0,
 ) -> ShardPlan | NoPlan:
-    """Plan one replica of `spec` on the fleet as it is; `spec.sharding` must be set."""
+    """Plan one replica of `spec` on the fleet as it is; `spec.sharding` must be set.
+    `now_ns`: the wall clock, for cordons that end (0: every recorded cordon holds)."""
     s = spec.sharding
     if s is None:
         return NoPlan(cluster=spec.name, reason=f"{spec.name} has no [sharding] section")
     weights, kv = weights_bytes(s), kv_cache_bytes(s)
     ctx = _Ctx(spec, s, weights + kv, weights, kv, s.layers, [])
-    units = _units(ctx, nodes, placements)
+    units = _units(ctx, nodes, placements, now_ns)
     found = _one_node(ctx, units)
     if found is None and "pipeline" in s.parallelism and s.layers >= 2:
         found = _pipeline(ctx, units)
@@ -235,7 +240,7 @@ def plan(
 
 
 def _units(
-    ctx: _Ctx, nodes: Sequence[NodeView], placements: Sequence[ReplicaView]
+    ctx: _Ctx, nodes: Sequence[NodeView], placements: Sequence[ReplicaView], now_ns: int
 ) -> dict[str, list[_Unit]]:
     """Per eligible node (by id), its free GPUs of each accepted model, all of them; the
     nodes the scheduler's filters refuse go to `ctx.rejected` with the scheduler's reason."""
@@ -245,7 +250,7 @@ def _units(
     units: dict[str, list[_Unit]] = {}
     for node in sorted(nodes, key=lambda n: n.node_id):
         used = taken.get(node.node_id, set())
-        verdict = _filter(node, spec, used, (), need)
+        verdict = _filter(node, spec, used, (), need, now_ns=now_ns)
         if isinstance(verdict, _Reject):
             ctx.rejected.append(Rejected(nodes=(node.node_id,), gpus=0, reason=verdict.detail))
             continue

@@ -279,3 +279,13 @@ def test_bad_sharding_sections_name_the_field(body: str, message: str) -> None:
         parse_toml(BASE + body)
     assert str(info.value).startswith(message), str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_cordon_holds_until_its_end() -> None:
+    h100 = node("h", "H100", GB80, cordoned_until_ns=1_000, cordon_reason="kernel upgrade")
+    held = plan(spec(), [h100], [], now_ns=500)
+    assert isinstance(held, NoPlan), held
+    assert [r.reason for r in held.rejected] == [
+        "cordoned until 1970-01-01T00:00:00.000001Z: kernel upgrade"
+    ]
+    assert fits(plan(spec(), [h100], [], now_ns=2_000)).stages[0].node_id == "h"
