@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 from collections.abc import Sequence
@@ -114,6 +115,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     )
     create.add_argument("-f", "--file", required=True, type=Path, help="the spec (TOML)")
     create.add_argument("--json", action="store_true")
+    _wait_args(create)
     create.set_defaults(handler=cluster_create)
     apply = verbs.add_parser(
         "apply",
@@ -125,6 +127,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     )
     apply.add_argument("-f", "--file", required=True, type=Path, help="the spec (TOML)")
     apply.add_argument("--json", action="store_true")
+    _wait_args(apply)
     apply.set_defaults(handler=cluster_apply)
     plan = verbs.add_parser(
         "plan",
@@ -186,6 +189,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     scale.add_argument("name")
     scale.add_argument("replicas", type=int)
     scale.add_argument("--json", action="store_true")
+    _wait_args(scale)
     scale.set_defaults(handler=cluster_scale)
     delete = verbs.add_parser(
         "delete",
@@ -494,6 +498,73 @@ async def _why_nobody_answers(bus: Any, url: str) -> str:
     return f"no controller is answering on {url} (is `gpumesh up` or `gpumesh controller` running?)"
 
 
+def _wait_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="return once every replica of the cluster's current revision is ready (progress "
+        "on stderr as replicas are placed, start and become ready; --json prints the cluster "
+        "then)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="with --wait: give up after S seconds, exit 1 saying where it stands (default 300)",
+    )
+
+
+_WAIT_POLL_S = 0.5
+
+
+def _settled(c: dict[str, Any]) -> bool:
+    """Every replica still wanted is ready at the current revision, and nothing is on its way
+    in or out."""
+    moving = [r for r in c["replicas"] if r["status"] in ("pending", "placed", "starting")]
+    leaving = [r for r in c["replicas"] if r["status"] == "stopping"]
+    current = [
+        r for r in c["replicas"] if r["status"] == "ready" and r["revision"] == c["revision"]
+    ]
+    return not moving and not leaving and len(current) == c["desired"]
+
+
+def _progress_line(c: dict[str, Any]) -> str:
+    counts: dict[str, int] = {}
+    for r in c["replicas"]:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    shown = ", ".join(
+        f"{status} {counts[status]}"
+        for status in ("placed", "starting", "stopping", "failed")
+        if counts.get(status)
+    )
+    line = f"{c['name']}: {c['ready']}/{c['desired']} ready"
+    if shown:
+        line += f" ({shown})"
+    if c["unschedulable"]:
+        line += f"; unschedulable: {c['unschedulable']}"
+    return line
+
+
+async def _wait_settled(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """Poll the cluster until it settles, saying each change on stderr; CommandFailed with
+    where it stands after --timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + args.timeout
+    said = ""
+    while True:
+        c: dict[str, Any] = await call(args, "cluster.get", {"name": name})
+        line = _progress_line(c)
+        if line != said:
+            print(line, file=sys.stderr, flush=True)
+            said = line
+        if _settled(c):
+            return c
+        if loop.time() >= deadline:
+            raise CommandFailed(f"not settled after {args.timeout:g} s: {line}")
+        await asyncio.sleep(_WAIT_POLL_S)
+
+
 def _emit(args: argparse.Namespace, data: Any, text: str) -> int:
     print(msgspec.json.encode(data).decode() if args.json else text)
     return 0
@@ -514,13 +585,20 @@ def _read_spec(path: Path) -> ClusterSpec:
 async def cluster_create(args: argparse.Namespace) -> int:
     spec = _read_spec(args.file)
     data = await call(args, "cluster.create", spec)
+    if args.wait:
+        data = await _wait_settled(args, spec.name)
+        return _emit(args, data, f"created cluster {spec.name}: {spec.replicas} replicas ready")
     return _emit(args, data, f"created cluster {spec.name} ({spec.replicas} replicas)")
 
 
 async def cluster_apply(args: argparse.Namespace) -> int:
     spec = _read_spec(args.file)
     data = await call(args, "cluster.apply", spec)
-    return _emit(args, data, f"{spec.name}: {data['message']}")
+    message = data["message"]
+    if args.wait:
+        data = await _wait_settled(args, spec.name)
+        return _emit(args, data, f"{spec.name}: {message}; revision {data['revision']} ready")
+    return _emit(args, data, f"{spec.name}: {message}")
 
 
 async def cluster_plan(args: argparse.Namespace) -> int:
@@ -598,6 +676,9 @@ async def cluster_show(args: argparse.Namespace) -> int:
 
 async def cluster_scale(args: argparse.Namespace) -> int:
     c = await call(args, "cluster.scale", {"name": args.name, "replicas": args.replicas})
+    if args.wait:
+        c = await _wait_settled(args, args.name)
+        return _emit(args, c, f"scaled {args.name} to {args.replicas} replicas, all ready")
     return _emit(args, c, f"scaled {args.name} to {args.replicas} replicas")
 
 

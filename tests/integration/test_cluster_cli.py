@@ -237,3 +237,27 @@ async def test_node_cordon_end_to_end(
             "",
         )
         assert await cli("nodes", "uncordon", "node-0") == (0, "uncordoned node-0\n", "")
+
+
+async def test_create_and_scale_wait_until_ready_and_say_how_it_goes(
+    tmp_path: Path, nats_server_binary: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec_file = tmp_path / "echo.toml"
+    spec_file.write_text(SPEC)
+    big = tmp_path / "big.toml"
+    big.write_text(SPEC.replace('name = "echo"', 'name = "big"').replace("count = 1", "count = 8"))
+    async with Stack(tmp_path / "stack", agents=2, nats_binary=nats_server_binary) as stack:
+        cli = Cli(stack, capsys)
+        code, out, err = await cli("cluster", "create", "-f", str(spec_file), "--wait")
+        assert (code, out) == (0, "created cluster echo: 1 replicas ready\n"), err
+        progress = err.splitlines()
+        assert progress[-1] == "echo: 1/1 ready" and len(progress) >= 2, progress
+        assert all(line.startswith("echo: ") for line in progress), progress
+        scaled = await cli.json("cluster", "scale", "echo", "2", "--wait")
+        assert scaled["ready"] == 2 and scaled["desired"] == 2
+        # Nothing can hold 8 GPUs here: it says where it stands, in one line, and exits 1.
+        code, out, err = await cli("cluster", "create", "-f", str(big), "--wait", "--timeout", "2")
+        assert code == 1 and out == ""
+        last = err.splitlines()[-1]
+        assert last.startswith("gpumesh: error: not settled after 2 s: big: 0/1 ready"), err
+        assert "unschedulable" in last
