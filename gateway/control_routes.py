@@ -52,7 +52,7 @@ import asyncio
 import contextlib
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 import structlog
@@ -76,6 +76,8 @@ STREAM_PAGE: Final = 500  # events per events.list call while a stream catches u
 _JSON: Final = "application/json"
 # What the controller says when a node is not in the state a verb needs (actors/control_api.py,
 # actors/node_actor.py NotRemovable).
+_B = TypeVar("_B", bound=msgspec.Struct)  # a request body
+
 _STATE_CONFLICTS: Final = ("node ",)
 _STATUS_TYPES: Final = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 DEFAULT_BODY_TIMEOUT_S: Final = 30.0
@@ -471,6 +473,17 @@ class _ControlApi:
             raise unreachable(exc) from None
         return msg.data
 
+    async def _body(self, request: web.Request, kind: type[_B], *, empty: bytes = b"") -> _B:
+        """The request's JSON body as `kind` (`empty` when it sent none): 400 naming the
+        field at fault, or saying the JSON is not JSON."""
+        raw = await read_body(request, self.body_timeout)
+        try:
+            return msgspec.json.decode(raw or empty, type=kind)
+        except msgspec.ValidationError as exc:  # before DecodeError: it is one
+            raise validation_error(exc) from None
+        except msgspec.DecodeError as exc:
+            raise invalid(f"body: not valid JSON ({exc})", "$") from None
+
     async def call(self, verb: str, body: object = None) -> Any:
         """The verb's `data`, or the ControlError its failure maps to."""
         raw = await self._request(verb, body if isinstance(body, bytes) else _encode(body))
@@ -513,13 +526,7 @@ class _ControlApi:
         return _ok(await self.call("cluster.get", {"name": request.match_info["name"]}))
 
     async def scale_cluster(self, request: web.Request) -> web.Response:
-        raw = await read_body(request, self.body_timeout)
-        try:
-            body = msgspec.json.decode(raw, type=ScaleBody)
-        except msgspec.ValidationError as exc:  # before DecodeError: it is one
-            raise validation_error(exc) from None
-        except msgspec.DecodeError as exc:
-            raise invalid(f"body: not valid JSON ({exc})", "$") from None
+        body = await self._body(request, ScaleBody)
         name = request.match_info["name"]
         return _ok(await self.call("cluster.scale", {"name": name, "replicas": body.replicas}))
 
@@ -543,13 +550,7 @@ class _ControlApi:
         return _ok(await self.call("cluster.history", {"name": request.match_info["name"]}))
 
     async def rollback_cluster(self, request: web.Request) -> web.Response:
-        raw = await read_body(request, self.body_timeout)
-        try:
-            body = msgspec.json.decode(raw or b"{}", type=RollbackBody)
-        except msgspec.ValidationError as exc:  # before DecodeError: it is one
-            raise validation_error(exc) from None
-        except msgspec.DecodeError as exc:
-            raise invalid(f"body: not valid JSON ({exc})", "$") from None
+        body = await self._body(request, RollbackBody, empty=b"{}")
         request_body = {"name": request.match_info["name"], "to": body.to}
         try:
             return _ok(await self.call("cluster.rollback", request_body))
@@ -574,13 +575,7 @@ class _ControlApi:
         return _ok(await self.call("node.remove", {"node_id": request.match_info["node_id"]}))
 
     async def cordon_node(self, request: web.Request) -> web.Response:
-        raw = await read_body(request, self.body_timeout)
-        try:
-            body = msgspec.json.decode(raw or b"{}", type=CordonBody)
-        except msgspec.ValidationError as exc:  # before DecodeError: it is one
-            raise validation_error(exc) from None
-        except msgspec.DecodeError as exc:
-            raise invalid(f"body: not valid JSON ({exc})", "$") from None
+        body = await self._body(request, CordonBody, empty=b"{}")
         until_ns = 0
         if body.until:
             try:
