@@ -61,7 +61,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from hashlib import sha256
@@ -449,15 +449,7 @@ def _parse(raw: Mapping[str, Any]) -> tuple[dict[bytes, Tenant], dict[bytes, Adm
     tenants: dict[bytes, Tenant] = {}
     for name, table in tenants_raw.items():
         prefix = f"tenants.{name}"
-        if not name:
-            raise KeyFileError(f"{prefix}: the tenant name must not be empty")
-        if not isinstance(table, Mapping):
-            raise KeyFileError(f"{prefix}: must be a table")
-        for field in table:
-            if field not in _TENANT_FIELDS:
-                raise KeyFileError(
-                    f"{prefix}.{field}: unknown field (expected {', '.join(_TENANT_FIELDS)})"
-                )
+        _check_table(prefix, name, table, _TENANT_FIELDS, "the tenant name")
         if "rate_per_s" not in table:
             raise KeyFileError(f"{prefix}.rate_per_s: required (0 = unlimited)")
         rate = _number(table["rate_per_s"], f"{prefix}.rate_per_s")
@@ -492,17 +484,20 @@ def _parse(raw: Mapping[str, Any]) -> tuple[dict[bytes, Tenant], dict[bytes, Adm
     return tenants, admin
 
 
-def _admin_scope(name: str, table: Any) -> AdminScope:
-    prefix = f"admins.{name}"
+def _check_table(prefix: str, name: str, table: Any, fields: Sequence[str], what_name: str) -> None:
+    """A named table of the key file: a name, a table, and only the fields it may have."""
     if not name:
-        raise KeyFileError(f"{prefix}: the name must not be empty")
+        raise KeyFileError(f"{prefix}: {what_name} must not be empty")
     if not isinstance(table, Mapping):
         raise KeyFileError(f"{prefix}: must be a table")
     for field in table:
-        if field not in _ADMIN_FIELDS:
-            raise KeyFileError(
-                f"{prefix}.{field}: unknown field (expected {', '.join(_ADMIN_FIELDS)})"
-            )
+        if field not in fields:
+            raise KeyFileError(f"{prefix}.{field}: unknown field (expected {', '.join(fields)})")
+
+
+def _admin_scope(name: str, table: Any) -> AdminScope:
+    prefix = f"admins.{name}"
+    _check_table(prefix, name, table, _ADMIN_FIELDS, "the name")
     if "keys" not in table:
         raise KeyFileError(f"{prefix}.keys: required (one or more keys)")
     scope = table.get("scope")
