@@ -65,7 +65,7 @@ class LogIndex:
         self._forgotten: dict[str, None] = {}
         self._sending: dict[str, tuple[str, int]] = {}
         # Every position up to this one is known here (scanned, read, appended or observed):
-        # what a fence reads past to make the index exact (see fence_read).
+        # what a fence reads past to make the index exact (store.py, fence).
         self.learned_through = 0
         self._ahead: set[int] = set()
 
