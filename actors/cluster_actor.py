@@ -30,6 +30,7 @@ from typing import Protocol
 import msgspec
 
 from events import (
+    AutoscaleInputs,
     ClusterCreated,
     ClusterDeleted,
     ClusterRolledOut,
@@ -106,6 +107,17 @@ class Scale:
 
 
 @dataclass(frozen=True, slots=True)
+class Autoscale:
+    """The autoscaler's decision (actors/autoscaler.py): recorded only if the count is still
+    `previous` (a hand-made scale or an earlier decision may have landed meanwhile)."""
+
+    replicas: int
+    previous: int
+    cause: str
+    inputs: AutoscaleInputs
+
+
+@dataclass(frozen=True, slots=True)
 class Delete:
     pass
 
@@ -115,7 +127,7 @@ class Reconcile:
     pass
 
 
-ClusterMsg = Create | Apply | Rollback | Scale | Delete | Reconcile
+ClusterMsg = Create | Apply | Rollback | Scale | Autoscale | Delete | Reconcile
 
 
 class Fleet(Protocol):
@@ -287,6 +299,19 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                 return await self._persist_and_wait(
                     ctx, [ClusterScaled(name=self.name, replicas=replicas, previous=spec.replicas)]
                 )
+            case Autoscale(replicas=replicas, previous=previous, cause=cause, inputs=inputs):
+                if not self.exists or self.state.spec is None:
+                    return False
+                if self.state.spec.replicas != previous or replicas == previous:
+                    return False
+                scaled = ClusterScaled(
+                    name=self.name, replicas=replicas, previous=previous, cause=cause, inputs=inputs
+                )
+                await self._persist_and_wait(ctx, [scaled])
+                ctx.log.info(
+                    "cluster_autoscaled", replicas=replicas, previous=previous, cause=cause
+                )
+                return True
             case Delete():
                 self._require()
                 return await self._persist_and_wait(ctx, [ClusterDeleted(name=self.name)])
@@ -298,6 +323,10 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
             await self._persist_and_wait(ctx, [ClusterCreated(spec=spec)])
             return Revised(1, True, f"created cluster {self.name} (revision 1)")
         current = self._require()
+        if spec.autoscale is not None:
+            # The autoscaler owns the count: a new revision keeps it, within the new bounds.
+            lo, hi = spec.autoscale.min_replicas, spec.autoscale.max_replicas
+            spec = msgspec.structs.replace(spec, replicas=min(max(current.replicas, lo), hi))
         if spec == current:
             revision = self.state.revision
             return Revised(revision, False, f"unchanged: the spec is revision {revision}'s")

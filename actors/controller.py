@@ -21,6 +21,7 @@ from events import ClusterSpec, stream_of
 from events.contract import subjects
 from events.contract.messages import (
     Command,
+    GatewayLoad,
     Heartbeat,
     HeartbeatAck,
     Leaving,
@@ -40,7 +41,8 @@ from runtime.env import BusError, Env, Msg, RandomSource
 from runtime.supervision import SupervisionPolicy
 from runtime.system import ActorRef, ActorSystem
 
-from .cluster_actor import ClusterActor, ClusterMsg, Reconcile
+from .autoscaler import EVALUATE_EVERY_S, Autoscaler, Decision
+from .cluster_actor import Autoscale, ClusterActor, ClusterMsg, Reconcile
 from .fenced_store import FencedBus, LeaseGuard
 from .health import HealthPolicy
 from .heartbeat_recorder import HeartbeatRecorder, NodeLiveness
@@ -127,6 +129,7 @@ class Controller:
         # included: O(fleet) per pass, most of a 10,000-node registration storm).
         self._cluster_refs: dict[str, ActorRef[ClusterMsg]] = {}
         self._last_routes: tuple[Any, ...] | None = None
+        self.autoscaler = Autoscaler(env.clock, self._specs)
         self.log = env.log.bind(component="controller")
 
     # -- what the actors see (cluster_actor.Fleet) ------------------------------------------
@@ -206,6 +209,7 @@ class Controller:
                 (subjects.REPORT_ALL, self._on_report),
                 (subjects.LEAVING_ALL, self._on_leaving),
                 (subjects.SUSPECT, self._on_suspicion),
+                (subjects.LOAD, self._on_load),
             ]
             for subject, handler in subscriptions:
                 # No queue group: while a leader frozen past its lease still holds its
@@ -223,6 +227,7 @@ class Controller:
             tasks.create_task(self._serve(api_sub, api.handle), name="serve:api")
             tasks.create_task(self._reconcile_loop(), name="reconcile")
             tasks.create_task(self._routing_loop(), name="routing")
+            tasks.create_task(self._autoscale_loop(), name="autoscale")
             if self.config.compact_heartbeats_after is not None:
                 tasks.create_task(self._compaction_loop(), name="compaction")
             for job in extra or []:
@@ -505,7 +510,11 @@ class Controller:
         last_sent = -math.inf
         while True:
             routing = self.live.state.routing
-            current = (dict(routing.routes), tuple(sorted(routing.live_clusters)))
+            current = (
+                dict(routing.routes),
+                tuple(sorted(routing.live_clusters)),
+                self._cold_start(),
+            )
             now = self.env.clock.monotonic()
             due = now - last_sent >= self.config.routing_refresh_interval
             if current != self._last_routes or due:
@@ -521,6 +530,27 @@ class Controller:
                 async with asyncio.timeout(self.config.routing_refresh_interval):
                     await changed.wait()
             changed.clear()
+
+    def _specs(self) -> dict[str, ClusterSpec]:
+        return {name: view.spec for name, view in self.live.state.clusters.clusters.items()}
+
+    async def _on_load(self, msg: Msg) -> None:
+        report = msgspec.json.decode(msg.data, type=GatewayLoad)
+        cold = self.autoscaler.offer(report)
+        if cold:  # requests held at zero replicas: a cold start waits for no tick
+            await self._autoscale(self.autoscaler.decide(cold))
+
+    async def _autoscale_loop(self) -> None:
+        while True:
+            await asyncio.sleep(EVALUATE_EVERY_S)
+            await self._autoscale(self.autoscaler.decide())
+
+    async def _autoscale(self, decisions: list[tuple[str, Decision]]) -> None:
+        for name, d in decisions:
+            ref = await self.cluster(name)
+            # Told, not asked: the decision is recorded in the cluster actor's turn, and the
+            # next evaluation sees the count it set (or, refused, the count that won).
+            ref.try_tell(Autoscale(d.replicas, d.previous, d.cause, d.inputs))
 
     async def _compaction_loop(self) -> None:
         age = self.config.compact_heartbeats_after
@@ -547,8 +577,17 @@ class Controller:
                     for name, view in sorted(self.live.state.clusters.clusters.items())
                     if view.spec.model and view.spec.model != name
                 },
+                cold_start=self._cold_start(),
             )
         )
+
+    def _cold_start(self) -> dict[str, float]:
+        """Clusters that scale from zero, and how long a gateway holds a request for one."""
+        return {
+            name: view.spec.autoscale.cold_start_timeout_s
+            for name, view in sorted(self.live.state.clusters.clusters.items())
+            if view.spec.autoscale is not None and view.spec.autoscale.min_replicas == 0
+        }
 
 
 class _Persistent:

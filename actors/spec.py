@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from events import ClusterSpec, ProbeSpec, ShardingSpec
+from events import AutoscaleSpec, ClusterSpec, ProbeSpec, ShardingSpec
 from events.ids import valid_id
 
 from .errors import ControllerError
@@ -72,6 +72,30 @@ def validate(spec: ClusterSpec) -> None:
     if spec.sharding is not None:
         _validate_sharding(spec.sharding)
     _validate_probes(spec.probes)
+    if spec.autoscale is not None:
+        _validate_autoscale(spec.autoscale)
+
+
+def _validate_autoscale(a: AutoscaleSpec) -> None:
+    """The `[autoscale]` section: bounds that cannot hold, or windows that are not times."""
+    if not 0 <= a.min_replicas <= 1000:
+        raise SpecError(f"autoscale.min: must be 0..1000, got {a.min_replicas}")
+    if not 1 <= a.max_replicas <= 1000:
+        raise SpecError(f"autoscale.max: must be 1..1000, got {a.max_replicas}")
+    if a.min_replicas > a.max_replicas:
+        raise SpecError(
+            f"autoscale.min: must not exceed autoscale.max ({a.min_replicas} > {a.max_replicas})"
+        )
+    if not (math.isfinite(a.target_in_flight) and a.target_in_flight > 0):
+        raise SpecError(f"autoscale.target_in_flight: must be > 0, got {a.target_in_flight}")
+    for name in ("up_window_s", "down_window_s"):
+        value = getattr(a, name)
+        if not (math.isfinite(value) and 0 <= value <= 86_400):
+            raise SpecError(f"autoscale.{name}: must be 0..86400 seconds, got {value}")
+    for name in ("scale_to_zero_after_s", "cold_start_timeout_s"):
+        value = getattr(a, name)
+        if not (math.isfinite(value) and 0 < value <= 86_400):
+            raise SpecError(f"autoscale.{name}: must be > 0 and at most 86400 seconds, got {value}")
 
 
 def _validate_probes(p: ProbeSpec) -> None:

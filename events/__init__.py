@@ -12,6 +12,8 @@ from .catalog import (
     type_tag as type_tag,
 )
 from .cluster import (
+    AutoscaleInputs as AutoscaleInputs,
+    AutoscaleSpec as AutoscaleSpec,
     ClusterCreated as ClusterCreated,
     ClusterDeleted as ClusterDeleted,
     ClusterRolledOut as ClusterRolledOut,

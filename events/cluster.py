@@ -55,6 +55,28 @@ class ProbeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     liveness_timeout_s: float | None = None  # per liveness probe
 
 
+class AutoscaleSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How the leader's autoscaler sizes the cluster from the gateways' load reports (a spec's
+    `[autoscale]` section; actors/autoscaler.py, docs/autoscaling.md). Absent: the replica count
+    changes only by hand (`cluster scale`), as it always did.
+
+    Wanted replicas are the in-flight and held requests of every gateway over
+    `target_in_flight`, rounded up, kept within `min`..`max`. A change is made only when every
+    evaluation for a window has wanted it (`up_window_s` to grow, `down_window_s` to shrink),
+    counted from the last change: so no decision is reversed within its window. With `min = 0`
+    the cluster goes to zero replicas after `scale_to_zero_after_s` without a request, and a
+    request that arrives then is held by the gateway (up to `cold_start_timeout_s`) while one
+    replica starts: the hold itself scales it up, at once."""
+
+    min_replicas: int = msgspec.field(default=1, name="min")
+    max_replicas: int = msgspec.field(default=4, name="max")
+    target_in_flight: float = 2.0  # requests in flight (or held) per replica, as Ray Serve's
+    up_window_s: float = 10.0
+    down_window_s: float = 300.0
+    scale_to_zero_after_s: float = 300.0  # with min = 0: idle this long, then zero replicas
+    cold_start_timeout_s: float = 120.0  # how long a gateway holds a request for a cold start
+
+
 class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """What a user declares: what to run, on which GPUs, how many replicas."""
 
@@ -81,6 +103,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # Readiness and liveness paths, timeouts and patience (the `[probes]` section). Added after
     # v1: older logs decode with every field unset and are probed as they always were.
     probes: ProbeSpec = ProbeSpec()
+    # Sizing from load (the `[autoscale]` section). Added after v1: older logs decode with None,
+    # which scales by hand only.
+    autoscale: AutoscaleSpec | None = None
 
 
 class ClusterCreated(
@@ -114,12 +139,30 @@ class ClusterRolledOut(
     revision: int
 
 
+class AutoscaleInputs(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What the autoscaler saw when it decided: the gateways' reports combined."""
+
+    gateways: int = 0  # gateways whose report was current
+    in_flight: int = 0  # requests being served, summed over gateways
+    held: int = 0  # requests held for a replica (a cluster at zero, or none ready)
+    requests_per_s: float = 0.0
+    ttft_p50_ms: float = 0.0  # the slowest gateway's median time to first byte
+    wanted: int = 0  # the replicas those figures ask for, within min..max
+    window_s: float = 0.0  # how long every evaluation wanted the change (0: at once)
+    idle_s: float = 0.0  # how long the cluster had no request (a scale to zero)
+
+
 class ClusterScaled(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.scaled.v1"
 ):
+    """The cluster's replica count changed. `cause` and `inputs` were added after v1: older
+    logs (and `cluster scale` by hand) decode with "" and None."""
+
     name: str
     replicas: int
     previous: int = 0
+    cause: str = ""  # "" by hand; "autoscale: ..." with the reason in words
+    inputs: AutoscaleInputs | None = None
 
 
 class ClusterDeleted(

@@ -9,6 +9,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from events import (
+    AutoscaleInputs,
+    AutoscaleSpec,
     ClusterCreated,
     ClusterDeleted,
     ClusterScaled,
@@ -58,6 +60,9 @@ specs = st.builds(
     name=cluster_names,
     replicas=st.integers(0, 4),
     command=st.sampled_from(["", "echo {port}"]),
+    autoscale=st.one_of(
+        st.none(), st.builds(AutoscaleSpec, min_replicas=st.integers(0, 2), max_replicas=st.just(4))
+    ),
 )
 
 node_events = st.one_of(
@@ -97,6 +102,13 @@ cluster_events = st.one_of(
     st.builds(ClusterCreated, spec=specs),
     st.builds(ClusterSpecChanged, spec=specs),
     st.builds(ClusterScaled, name=cluster_names, replicas=st.integers(0, 5)),
+    st.builds(
+        ClusterScaled,
+        name=cluster_names,
+        replicas=st.integers(0, 5),
+        cause=st.just("autoscale: a cold start"),
+        inputs=st.builds(AutoscaleInputs, held=st.integers(0, 9), wanted=st.integers(0, 5)),
+    ),
     st.builds(ClusterDeleted, name=cluster_names),
     st.builds(
         ClusterUnschedulable,

@@ -187,6 +187,30 @@ class RoutingUpdate(
     clusters: tuple[str, ...] = ()
     # The model name clients send -> its cluster, where a spec's `model` differs from its name.
     models: dict[str, str] = {}
+    # Clusters that scale from zero (`[autoscale] min = 0`) -> how long a gateway holds a
+    # request while a replica starts (their `cold_start_timeout_s`). Absent: the usual wait.
+    cold_start: dict[str, float] = {}
+
+
+class ClusterLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One cluster's load as one gateway sees it, over the report's interval."""
+
+    in_flight: int = 0  # requests sent to a replica and not yet answered in full
+    held: int = 0  # requests waiting for a replica (none ready: a cold start, a replacement)
+    requests_per_s: float = 0.0  # arrivals over the interval
+    ttft_p50_ms: float = 0.0  # median time to first byte of the interval's answers; 0: none
+
+
+class GatewayLoad(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="gateway_load.v1"
+):
+    """Gateway -> controllers, on `gpumesh.v1.gateway.load` every second (and at once when a
+    request is first held for a cluster with no replica): the leader's autoscaler sums the
+    current reports of every gateway. A cluster with no traffic in the interval is left out."""
+
+    gateway_id: str
+    interval_s: float = 1.0
+    clusters: dict[str, ClusterLoad] = {}
 
 
 class ReplicaSuspicion(

@@ -50,6 +50,8 @@ LEADER_ACTS_S = 1.3
 
 # Gateway -> controller: a replica the gateway ejected after consecutive failures.
 SUSPECT = f"{PREFIX}.gateway.suspect"
+# Gateways' per-cluster load, every second (GatewayLoad): the autoscaler's input.
+LOAD = f"{PREFIX}.gateway.load"
 
 # Control API, request/reply: gpumesh.v1.api.<verb>
 API_ALL = f"{PREFIX}.api.>"
