@@ -128,6 +128,10 @@ class Controller:
         # The cluster actors by name, so a reconcile pass need not scan every actor (nodes
         # included: O(fleet) per pass, most of a 10,000-node registration storm).
         self._cluster_refs: dict[str, ActorRef[ClusterMsg]] = {}
+        # The node actors by id: every heartbeat looks its node's up, and the actor system's
+        # lookup by name (a coroutine, a closure and a dict per call) was 6% of the
+        # controller's CPU per heartbeat (py-spy, bench/heartbeats.py --store jetstream-r3).
+        self._node_refs: dict[str, ActorRef[NodeMsg]] = {}
         self._last_routes: tuple[Any, ...] | None = None
         self.autoscaler = Autoscaler(env.clock, self._specs)
         self.log = env.log.bind(component="controller")
@@ -145,11 +149,13 @@ class Controller:
         )
 
     async def node(self, node_id: str) -> ActorRef[NodeMsg]:
-        return await self._get_or_spawn(
+        ref = await self._get_or_spawn(
             f"node:{node_id}",
             lambda: NodeActor(node_id, self.config.health, self.silence, self.liveness),
             {"node": node_id},
         )
+        self._node_refs[node_id] = ref
+        return ref
 
     async def cluster(self, name: str) -> ActorRef[ClusterMsg]:
         ref = await self._get_or_spawn(
@@ -320,7 +326,8 @@ class Controller:
         if sender not in self.live.state.nodes.nodes:
             self._drop("unregistered", msg, f"node {sender!r} has not registered")
             return
-        if not self._heartbeat_limit.admit(sender):
+        now = self.env.clock.monotonic()
+        if not self._heartbeat_limit.admit(sender, now):
             self._drop("rate_limited", msg, f"node {sender} is over its heartbeat rate")
             return
         if self._heartbeat_limit.oversized(msg.data):
@@ -330,11 +337,13 @@ class Controller:
         if hb.node_id != sender:
             self._drop("impersonation", msg, f"heartbeat for {hb.node_id} on {msg.subject}")
             return
-        ref = await self.node(hb.node_id)
+        ref = self._node_refs.get(sender)
+        if ref is None or ref.stopped:
+            ref = await self.node(sender)
         if not self.heartbeats.offer(hb):
             self._drop("backlog", msg, "the heartbeat recorder's backlog is full")
             return
-        self.liveness.heard(hb.node_id, self.env.clock.monotonic())
+        self.liveness.heard(hb.node_id, now)
         if self.liveness.may_change_verdict(hb, self.config.health):
             if ref.full:
                 # A flooding node fills only its own mailbox; everyone else's heartbeats go on.

@@ -39,8 +39,10 @@ class IntakeLimiter:
         # stays as large as the fleet rather than as large as an attacker's imagination.
         self._buckets: dict[str, tuple[float, float]] = {}
 
-    def admit(self, sender: str) -> bool:
-        now = self._clock.monotonic()
+    def admit(self, sender: str, now: float | None = None) -> bool:
+        """`now`: the clock's time, when the caller has just read it."""
+        if now is None:
+            now = self._clock.monotonic()
         tokens, then = self._buckets.get(sender, (self.burst, now))
         tokens = min(self.burst, tokens + (now - then) * self.rate)
         if tokens < 1.0:
