@@ -4,6 +4,7 @@
 /v1/models                                             the clusters, as models
 /c/<cluster>/<path>                                    any other HTTP API of a cluster
 /api/v1/...                                            the control API, admin keys by scope
+/ui/...                                                the dashboard (gateway/ui), admin keys
 /metrics, /healthz, /readyz                            for Prometheus and orchestrators
 """
 
@@ -20,6 +21,7 @@ from .auth import KeyRing
 from .control_routes import control_app
 from .metrics import CONTENT_TYPE, render
 from .proxy import OPENAI_PATHS, Proxy, openai_error
+from .ui import mount as mount_ui
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -60,6 +62,7 @@ def build_app(
     # is not reported as a 504.
     control = control_app(bus, timeout=35.0, body_timeout=request_body_timeout_s, keys=keys)
     app.add_subapp("/api/v1", control)
+    mount_ui(app, bus, keys)
     return app
 
 

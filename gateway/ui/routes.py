@@ -1,0 +1,334 @@
+"""The dashboard's aiohttp sub-application, mounted at /ui by gateway/app.py.
+
+    GET  /ui/                      -> /ui/fleet
+    GET  /ui/fleet                 every node: health, region, GPUs, its replicas
+    GET  /ui/clusters              every cluster: revision, replicas with epochs, states, nodes
+    GET  /ui/events                the log, filtered by type, node, cluster, replica; live tail
+    GET  /ui/login, POST /ui/login the admin key, exchanged for a session cookie
+    POST /ui/logout
+    GET  /ui/static/<name>         the scripts and the style sheet (gateway/ui/static)
+    GET  /ui/data/fleet            {"head", "nodes", "clusters"}  (what the fleet page embeds)
+    GET  /ui/data/clusters         {"head", "clusters"}
+    GET  /ui/data/events?to=&limit=  {"head", "start", "events"}: the last events up to `to`
+    GET  /ui/api/...               the read routes of /api/v1 (gateway/control_routes.py),
+                                   /ui/api/events/stream above all: the pages' live feed (SSE)
+
+A page is HTML rendered here with its first data inside it (one request, then the stream), and
+a small script that draws the rows, filters and sorts them, and applies each event of
+`/ui/api/events/stream` as it comes: nothing in the browser asks again on a timer.
+
+Who may see it: with `--insecure-api` everyone, as /api/v1. Otherwise a request needs an admin
+key of any scope (everything here is a read), either as `Authorization: Bearer` (scripts) or
+through the session cookie the login form sets (a browser's EventSource cannot send a header):
+gateway/ui/session.py. Without it a page is sent to the login form, and a data route answers 401.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+from collections.abc import Awaitable, Callable
+from typing import Final
+from urllib.parse import parse_qs, quote, urlsplit
+
+import msgspec
+from aiohttp import web
+
+from events.catalog import event_type_names
+from gateway.auth import KeyRing
+from gateway.control_routes import ControlError, control_app, invalid, read_body
+from runtime.env import Bus
+
+from .assets import Assets, template
+from .data import DEFAULT_EVENTS, MAX_EVENTS, ControllerClient
+from .session import COOKIE, Sessions
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+PREFIX: Final = "/ui"
+PAGES: Final = (("fleet", "Fleet"), ("clusters", "Clusters"), ("events", "Events"))
+MAX_LOGIN_BYTES: Final = 8192
+LOGIN_BODY_TIMEOUT_S: Final = 10.0
+# The pages run only their own scripts, from here; they talk to nothing but this gateway.
+CSP: Final = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; base-uri 'none'; frame-ancestors 'none'"
+)
+_SECURITY_HEADERS: Final = {
+    "X-Content-Type-Options": "nosniff",
+    # Not no-referrer: with it a browser sends `Origin: null` on the sign-in form's POST, which
+    # _same_origin must refuse (a sandboxed frame sends the same).
+    "Referrer-Policy": "same-origin",
+    "X-Frame-Options": "DENY",
+}
+_NO_STORE: Final = {"Cache-Control": "no-store"}
+
+
+class _EventsData(msgspec.Struct, frozen=True):
+    """`GET /ui/data/events` query parameters."""
+
+    to: int | None = None
+    limit: int = DEFAULT_EVENTS
+
+
+def mount(app: web.Application, bus: Bus, keys: KeyRing, *, timeout: float = 10.0) -> None:
+    """The dashboard at /ui of the gateway's application (and /ui itself, which a sub-app
+    cannot answer, sent to /ui/fleet)."""
+
+    async def bare(request: web.Request) -> web.StreamResponse:
+        raise web.HTTPSeeOther(f"{PREFIX}/fleet")
+
+    app.router.add_get(PREFIX, bare)
+    app.add_subapp(PREFIX, ui_app(bus, keys, timeout=timeout))
+
+
+def ui_app(
+    bus: Bus,
+    keys: KeyRing,
+    *,
+    timeout: float = 10.0,
+    events_poll: float = 5.0,
+    keepalive: float = 15.0,
+    sessions: Sessions | None = None,
+) -> web.Application:
+    """The /ui sub-application. `timeout`: seconds for each controller reply; `events_poll`
+    and `keepalive`: the event stream's (gateway/control_routes.py control_app)."""
+    ui = _Dashboard(bus, keys, timeout=timeout, sessions=sessions or Sessions(keys))
+    app = web.Application(middlewares=[ui.gate])
+    app.on_response_prepare.append(_security_headers)
+    app.router.add_get("/", ui.index)
+    for page, _ in PAGES:
+        app.router.add_get(f"/{page}", ui.page)
+    login = app.router.add_get("/login", ui.login_form)
+    login_post = app.router.add_post("/login", ui.login)
+    app.router.add_post("/logout", ui.logout)
+    static = app.router.add_get("/static/{name}", ui.assets.serve)
+    app.router.add_get("/data/fleet", ui.fleet_data)
+    app.router.add_get("/data/clusters", ui.clusters_data)
+    app.router.add_get("/data/events", ui.events_data)
+    ui.public = {login, login_post, static}
+    # The read verbs of /api/v1, behind this app's own check (keys=None: none of its own).
+    api = control_app(bus, timeout=timeout, events_poll=events_poll, keepalive=keepalive)
+    app.add_subapp("/api", api)
+    return app
+
+
+async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
+    for name, value in _SECURITY_HEADERS.items():
+        response.headers.setdefault(name, value)
+    if response.content_type == "text/html":
+        response.headers.setdefault("Content-Security-Policy", CSP)
+
+
+class _Dashboard:
+    def __init__(self, bus: Bus, keys: KeyRing, *, timeout: float, sessions: Sessions) -> None:
+        self.keys = keys
+        self.sessions = sessions
+        self.controller = ControllerClient(bus, timeout=timeout)
+        self.assets = Assets()
+        self.public: set[web.AbstractRoute] = set()
+        self._layout = template("layout.html")
+        self._login = template("login.html")
+        self._bodies = {page: template(f"{page}.html").template for page, _ in PAGES}
+        self._types = event_type_names()
+
+    # -- who may see it -----------------------------------------------------------------
+
+    def allowed(self, request: web.Request) -> bool:
+        if self.keys.api_open:
+            return True
+        header = request.headers.get("Authorization")
+        if header is not None and self.keys.admin(header) is not None:
+            return True
+        return self.sessions.scope(request.cookies.get(COOKIE)) is not None
+
+    @web.middleware
+    async def gate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.match_info.route in self.public:
+            try:
+                return await handler(request)
+            except ControlError as exc:
+                return exc.response()
+        data = request.path.startswith((f"{PREFIX}/api/", f"{PREFIX}/data/"))
+        if not self.allowed(request):
+            if data or request.method not in ("GET", "HEAD"):
+                message = "the dashboard needs an admin key: sign in at /ui/login"
+                error = ControlError(401, "admin_key_required", message)
+                error.headers = {"WWW-Authenticate": "Bearer"}
+                return error.response()
+            target = request.path_qs if request.path != f"{PREFIX}/" else f"{PREFIX}/fleet"
+            raise web.HTTPSeeOther(f"{PREFIX}/login?next={quote(target, safe='/?=&')}")
+        if data and request.method not in ("GET", "HEAD"):
+            # Only reads: a cookie must not carry a change (/api/v1 takes those, by header).
+            message = f"{request.method[:20]} is not allowed here: the dashboard only reads"
+            error = ControlError(405, "method_not_allowed", message)
+            error.headers = {"Allow": "GET, HEAD"}
+            return error.response()
+        try:
+            return await handler(request)
+        except ControlError as exc:
+            return exc.response()
+
+    async def login_form(self, request: web.Request) -> web.StreamResponse:
+        target = _local_target(request.query.get("next", ""))
+        if self.allowed(request):
+            raise web.HTTPSeeOther(target)
+        return self._login_page(target, "", status=200)
+
+    def _login_page(self, target: str, problem: str, *, status: int) -> web.Response:
+        if not self.keys.has_admin_keys:
+            where = f" ({self.keys.path} has none)" if self.keys.path else ""
+            message = (
+                f"The dashboard is closed: this gateway has no admin key{where}. Give it a key "
+                "file with admin keys (--keys FILE), or --insecure-api for a local stack."
+            )
+            kind = "error"
+        elif problem:
+            message, kind = problem, "error"
+        else:
+            message, kind = "Sign in with an admin key to see the fleet.", "muted"
+        text = self._login.substitute(
+            css=self.assets.url("dashboard.css"),
+            message=html.escape(message),
+            message_class=kind,
+            next=html.escape(target),
+        )
+        return web.Response(text=text, content_type="text/html", status=status, headers=_NO_STORE)
+
+    async def login(self, request: web.Request) -> web.StreamResponse:
+        _same_origin(request)
+        if (request.content_length or 0) > MAX_LOGIN_BYTES:
+            raise ControlError(413, "request_too_large", "the sign-in form is too large")
+        raw = await read_body(request, LOGIN_BODY_TIMEOUT_S)
+        if len(raw) > MAX_LOGIN_BYTES:
+            raise ControlError(413, "request_too_large", "the sign-in form is too large")
+        form = parse_qs(raw.decode("utf-8", errors="replace"), max_num_fields=4)
+        key = form.get("key", [""])[0]
+        target = _local_target(form.get("next", [""])[0])
+        if self.keys.api_open:
+            raise web.HTTPSeeOther(target)
+        token = self.sessions.login(key)
+        if token is None:
+            return self._login_page(target, "That is not an admin key of this gateway.", status=401)
+        answer = web.HTTPSeeOther(target)
+        answer.set_cookie(
+            COOKIE,
+            token,
+            path=PREFIX,
+            max_age=int(self.sessions.ttl_s),
+            httponly=True,
+            samesite="Strict",
+            secure=request.secure,
+        )
+        raise answer
+
+    async def logout(self, request: web.Request) -> web.StreamResponse:
+        _same_origin(request)
+        self.sessions.logout(request.cookies.get(COOKIE))
+        answer = web.HTTPSeeOther(f"{PREFIX}/login")
+        answer.del_cookie(COOKIE, path=PREFIX)
+        raise answer
+
+    # -- pages ------------------------------------------------------------------------------
+
+    async def index(self, request: web.Request) -> web.StreamResponse:
+        raise web.HTTPSeeOther(f"{PREFIX}/fleet")
+
+    async def page(self, request: web.Request) -> web.StreamResponse:
+        page = request.path.rsplit("/", 1)[1]
+        title = dict(PAGES)[page]
+        data = await self._page_data(page)
+        nav = "".join(
+            f'<a href="{PREFIX}/{name}"{" aria-current=page" if name == page else ""}>{label}</a>'
+            for name, label in PAGES
+        )
+        signout = (
+            ""
+            if self.keys.api_open
+            else f'<form method="post" action="{PREFIX}/logout" class="signout">'
+            '<button type="submit">Sign out</button></form>'
+        )
+        config = msgspec.json.encode({"page": page, "types": self._types})
+        embedded = b'{"config":%s,"data":%s}' % (config, data)
+        text = self._layout.substitute(
+            title=title,
+            page=page,
+            nav=nav,
+            signout=signout,
+            body=self._bodies[page],
+            css=self.assets.url("dashboard.css"),
+            common=self.assets.url("common.js"),
+            script=self.assets.url(f"{page}.js"),
+            # Inside <script type="application/json">: no `<` may close the element early.
+            data=embedded.replace(b"<", b"\\u003c").decode(),
+        )
+        response = web.Response(text=text, content_type="text/html", headers=_NO_STORE)
+        response.enable_compression()
+        return response
+
+    async def _page_data(self, page: str) -> bytes:
+        """The page's first data; when the controller does not answer, why, and the page
+        says so and takes its data from the stream once the controller is back."""
+        try:
+            if page == "fleet":
+                return await self.controller.fleet()
+            if page == "clusters":
+                return await self.controller.clusters()
+            # The clusters say on which node each current replica runs, for the node filter.
+            backfill, clusters = await asyncio.gather(
+                self.controller.recent_events(None, DEFAULT_EVENTS),
+                self.controller.raw("cluster.list", {}),
+            )
+            return msgspec.json.encode(backfill)[:-1] + b',"clusters":%s}' % clusters
+        except ControlError as exc:
+            return msgspec.json.encode({"error": exc.message})
+
+    # -- data -------------------------------------------------------------------------------
+
+    async def fleet_data(self, request: web.Request) -> web.Response:
+        return _json(await self.controller.fleet())
+
+    async def clusters_data(self, request: web.Request) -> web.Response:
+        return _json(await self.controller.clusters())
+
+    async def events_data(self, request: web.Request) -> web.Response:
+        try:
+            query = msgspec.convert(dict(request.query), _EventsData, strict=False)
+        except msgspec.ValidationError as exc:
+            raise invalid(f"query: {exc}") from None
+        if query.to is not None and query.to < 0:
+            raise invalid(f"to: must be >= 0, got {query.to}", "to")
+        if not 1 <= query.limit <= MAX_EVENTS:
+            raise invalid(f"limit: must be 1..{MAX_EVENTS}, got {query.limit}", "limit")
+        backfill = await self.controller.recent_events(query.to, query.limit)
+        return _json(msgspec.json.encode(backfill))
+
+
+def _json(body: bytes) -> web.Response:
+    response = web.Response(body=body, content_type="application/json", headers=_NO_STORE)
+    response.enable_compression()
+    return response
+
+
+def _local_target(target: str) -> str:
+    """Where to go after signing in: a path of the dashboard, nothing else (no open redirect)."""
+    parts = urlsplit(target)
+    if (
+        parts.scheme
+        or parts.netloc
+        or "\\" in target
+        or not (parts.path == PREFIX or parts.path.startswith(f"{PREFIX}/"))
+        or parts.path.startswith(f"{PREFIX}/login")
+    ):
+        return f"{PREFIX}/fleet"
+    return target
+
+
+def _same_origin(request: web.Request) -> None:
+    """A form posted from another site is refused (with SameSite=Strict, the second guard)."""
+    origin = request.headers.get("Origin")
+    if origin is not None and urlsplit(origin).netloc != request.host:
+        raise ControlError(403, "forbidden", "a sign-in form must come from this gateway's page")
+
+
+__all__ = ["PREFIX", "mount", "ui_app"]
