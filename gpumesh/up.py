@@ -537,9 +537,11 @@ def _summary(
         lines.insert(2, f"  gateway:     {gateway_url}/v1  (OpenAI-compatible; /metrics)")
         if args.keys:
             lines.insert(3, f"  control API: {gateway_url}/api/v1  (admin keys in {args.keys})")
+            lines.insert(4, f"  dashboard:   {gateway_url}/ui  (sign in with an admin key)")
         else:
             key = admin_key_path(args.data_dir)
             lines.insert(3, f"  control API: {gateway_url}/api/v1  (admin key in {key})")
+            lines.insert(4, f"  dashboard:   {gateway_url}/ui  (sign in with the admin key)")
             lines.append(
                 f"  the API:     curl -s {gateway_url}/api/v1/nodes -H "
                 f'"Authorization: Bearer $(cat {shlex.quote(str(key))})"'

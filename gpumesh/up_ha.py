@@ -886,6 +886,7 @@ class HaStack:
 
             keys = self.args.keys or admin_key_path(self.data_dir)
             lines.append(f"  control API: {self.gateway_url}/api/v1  (admin key in {keys})")
+            lines.append(f"  dashboard:   {self.gateway_url}/ui  (sign in with the admin key)")
         lines += [
             f"  NATS:        {self.urls}",
             "               "

@@ -121,6 +121,12 @@ async def test_up_demo_comes_up_serves_the_printed_curl_and_stops_on_sigint(
         nodes = f"{gateway.removesuffix('/v1')}/api/v1/nodes"
         assert await asyncio.to_thread(http_status, nodes, "") == 401
         assert await asyncio.to_thread(http_status, nodes, key_file.read_text().strip()) == 200
+        # So does the dashboard it prints (gateway/ui): its data with the key, none without.
+        dashboard = summary["dashboard"].split()[0]
+        assert dashboard == gateway.removesuffix("/v1") + "/ui", summary
+        fleet = f"{dashboard}/data/fleet"
+        assert await asyncio.to_thread(http_status, fleet, "") == 401
+        assert await asyncio.to_thread(http_status, fleet, key_file.read_text().strip()) == 200
 
         # The controller (in `up`'s process) and each agent serve Prometheus metrics on a port
         # of their own, printed with a scrape configuration for them all.
