@@ -33,6 +33,7 @@ QUICK=(
     "crashloop.py"
     "crashloop.py --ha"
     "soak.py"
+    "dashboard.py"
 )
 
 failed=()
