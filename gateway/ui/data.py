@@ -27,6 +27,9 @@ FIRST_WINDOW: Final = 2_000  # positions the events page looks back first (recen
 MAX_LOOKBACK: Final = 170_000  # positions one backfill looks back at most: 4 windows
 DEFAULT_EVENTS: Final = 500
 MAX_EVENTS: Final = 2000
+# Positions the incidents page reads back for a node's last heartbeat before its incident: a
+# 1,000-node fleet heartbeats about 1,000 times a second, and a node is suspect after 2 s.
+HEARTBEAT_LOOKBACK: Final = 21_000
 
 
 class _RawReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +49,14 @@ class _EventsReply(msgspec.Struct, frozen=True, kw_only=True):
 _raw_reply = msgspec.json.Decoder(_RawReply)
 _events_reply = msgspec.json.Decoder(_EventsReply)
 _event_head = msgspec.json.Decoder(EventHead)
+
+
+class _StreamHead(msgspec.Struct, frozen=True):
+    position: int
+    stream: str
+
+
+_stream_head = msgspec.json.Decoder(_StreamHead)
 
 
 class Backfill(msgspec.Struct, frozen=True):
@@ -85,8 +96,13 @@ class ControllerClient:
             raise refused(reply.error)
         return bytes(reply.data)
 
-    async def events(self, after: int, limit: int = EVENTS_PAGE) -> EventsPage:
-        data = await self._ask("events.list", {"after": after, "limit": limit})
+    async def events(
+        self, after: int, limit: int = EVENTS_PAGE, *, heartbeats: bool = False
+    ) -> EventsPage:
+        body: dict[str, object] = {"after": after, "limit": limit}
+        if heartbeats:
+            body["heartbeats"] = True
+        data = await self._ask("events.list", body)
         try:
             reply = _events_reply.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -139,6 +155,41 @@ class ControllerClient:
             events = events[-limit:]
             hi = events[0][0] - 1  # the ones left out are older: the next request asks
         return Backfill([raw for _, raw in events], hi, head)
+
+    async def last_heartbeat(self, node_id: str, before: int) -> msgspec.Raw | None:
+        """The node's last heartbeat before position `before`, or None when there is none in
+        the HEARTBEAT_LOOKBACK positions before it. Heartbeats of the whole fleet are most of
+        the log, so this reads back in windows that grow fourfold from one page."""
+        stream = f"heartbeat/{node_id}"
+        hi = before - 1
+        size = EVENTS_PAGE
+        looked = 0
+        while hi > 0 and looked < HEARTBEAT_LOOKBACK:
+            lo = max(0, hi - size)
+            found: msgspec.Raw | None = None
+            cursor = lo
+            while cursor < hi:
+                page = await self.events(cursor, heartbeats=True)
+                past = False
+                for raw in page.events:
+                    try:
+                        head = _stream_head.decode(raw)
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        continue
+                    past = head.position > hi
+                    if past:
+                        break
+                    if head.stream == stream:
+                        found = raw
+                if past or page.next <= cursor:
+                    break
+                cursor = page.next
+            if found is not None:
+                return found
+            looked += hi - lo
+            hi = lo
+            size *= 4
+        return None
 
     async def _window(self, lo: int, hi: int) -> list[tuple[int, msgspec.Raw]]:
         """Every event in (lo, hi] but heartbeats, with its position, in order."""

@@ -4,12 +4,14 @@
     GET  /ui/fleet                 every node: health, region, GPUs, its replicas
     GET  /ui/clusters              every cluster: revision, replicas with epochs, states, nodes
     GET  /ui/events                the log, filtered by type, node, cluster, replica; live tail
+    GET  /ui/incidents             each node loss that moved replicas, as a timeline
     GET  /ui/login, POST /ui/login the admin key, exchanged for a session cookie
     POST /ui/logout
     GET  /ui/static/<name>         the scripts and the style sheet (gateway/ui/static)
     GET  /ui/data/fleet            {"head", "nodes", "clusters"}  (what the fleet page embeds)
     GET  /ui/data/clusters         {"head", "clusters"}
     GET  /ui/data/events?to=&limit=  {"head", "start", "events"}: the last events up to `to`
+    GET  /ui/data/incidents        {"head", "count", "html"}: the incidents, drawn (timeline.py)
     GET  /ui/api/...               the read routes of /api/v1 (gateway/control_routes.py),
                                    /ui/api/events/stream above all: the pages' live feed (SSE)
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Final
 from urllib.parse import parse_qs, quote, urlsplit
@@ -34,19 +37,30 @@ from urllib.parse import parse_qs, quote, urlsplit
 import msgspec
 from aiohttp import web
 
+from events import Envelope
 from events.catalog import event_type_names
+from events.codec import decode_envelope
 from gateway.auth import KeyRing
 from gateway.control_routes import ControlError, control_app, invalid, read_body
 from runtime.env import Bus
 
 from .assets import Assets, template
 from .data import DEFAULT_EVENTS, MAX_EVENTS, ControllerClient
+from .incidents import incidents
 from .session import COOKIE, Sessions
+from .timeline import incident_html
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 PREFIX: Final = "/ui"
-PAGES: Final = (("fleet", "Fleet"), ("clusters", "Clusters"), ("events", "Events"))
+PAGES: Final = (
+    ("fleet", "Fleet"),
+    ("clusters", "Clusters"),
+    ("events", "Events"),
+    ("incidents", "Incidents"),
+)
+MAX_INCIDENTS: Final = 50  # the newest, on the page
+HEARTBEATS_KEPT: Final = 512  # (node, position) -> its last heartbeat before: never changes
 MAX_LOGIN_BYTES: Final = 8192
 LOGIN_BODY_TIMEOUT_S: Final = 10.0
 # The pages run only their own scripts, from here; they talk to nothing but this gateway.
@@ -106,6 +120,7 @@ def ui_app(
     app.router.add_get("/data/fleet", ui.fleet_data)
     app.router.add_get("/data/clusters", ui.clusters_data)
     app.router.add_get("/data/events", ui.events_data)
+    app.router.add_get("/data/incidents", ui.incidents_data)
     ui.public = {login, login_post, static}
     # The read verbs of /api/v1, behind this app's own check (keys=None: none of its own).
     api = control_app(bus, timeout=timeout, events_poll=events_poll, keepalive=keepalive)
@@ -129,8 +144,11 @@ class _Dashboard:
         self.public: set[web.AbstractRoute] = set()
         self._layout = template("layout.html")
         self._login = template("login.html")
-        self._bodies = {page: template(f"{page}.html").template for page, _ in PAGES}
+        self._bodies = {page: template(f"{page}.html") for page, _ in PAGES}
         self._types = event_type_names()
+        # (node, incident position) -> its last heartbeat before (None: not found): the
+        # incidents page is drawn again after each burst of events, and this never changes.
+        self._heartbeats: OrderedDict[tuple[str, int], Envelope | None] = OrderedDict()
 
     # -- who may see it -----------------------------------------------------------------
 
@@ -238,6 +256,10 @@ class _Dashboard:
         page = request.path.rsplit("/", 1)[1]
         title = dict(PAGES)[page]
         data = await self._page_data(page)
+        body = self._bodies[page].template
+        if page == "incidents":
+            drawn, data = await self._incidents_page()
+            body = self._bodies[page].substitute(incidents=drawn)
         nav = "".join(
             f'<a href="{PREFIX}/{name}"{" aria-current=page" if name == page else ""}>{label}</a>'
             for name, label in PAGES
@@ -255,7 +277,7 @@ class _Dashboard:
             page=page,
             nav=nav,
             signout=signout,
-            body=self._bodies[page],
+            body=body,
             css=self.assets.url("dashboard.css"),
             common=self.assets.url("common.js"),
             script=self.assets.url(f"{page}.js"),
@@ -274,6 +296,8 @@ class _Dashboard:
                 return await self.controller.fleet()
             if page == "clusters":
                 return await self.controller.clusters()
+            if page == "incidents":
+                return b"{}"  # drawn in the page itself (_incidents_page)
             # The clusters say on which node each current replica runs, for the node filter.
             backfill, clusters = await asyncio.gather(
                 self.controller.recent_events(None, DEFAULT_EVENTS),
@@ -290,6 +314,53 @@ class _Dashboard:
 
     async def clusters_data(self, request: web.Request) -> web.Response:
         return _json(await self.controller.clusters())
+
+    async def incidents_data(self, request: web.Request) -> web.Response:
+        head, count, drawn = await self._incidents()
+        return _json(msgspec.json.encode({"head": head, "count": count, "html": drawn}))
+
+    async def _incidents_page(self) -> tuple[str, bytes]:
+        try:
+            head, count, drawn = await self._incidents()
+        except ControlError as exc:
+            return "", msgspec.json.encode({"error": exc.message})
+        return drawn, msgspec.json.encode({"head": head, "count": count})
+
+    async def _incidents(self) -> tuple[int, int, str]:
+        """The last MAX_EVENTS events folded into incidents (gateway/ui/incidents.py), each
+        given its node's last heartbeat before it (heartbeats are not in that backfill), and
+        drawn, newest first."""
+        backfill = await self.controller.recent_events(None, MAX_EVENTS)
+        envelopes = []
+        for raw in backfill.events:
+            try:
+                envelopes.append(decode_envelope(raw))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # an event this gateway cannot read: not drawn, never fatal
+        found = incidents(envelopes)[-MAX_INCIDENTS:]
+        beats = [await self._last_heartbeat(i.node_id, i.position) for i in found]
+        if any(beats):
+            merged = [*envelopes, *(b for b in beats if b is not None)]
+            found = incidents(sorted(merged, key=lambda e: e.position))[-MAX_INCIDENTS:]
+        drawn = "".join(incident_html(i) for i in reversed(found))
+        return backfill.head, len(found), drawn
+
+    async def _last_heartbeat(self, node_id: str, position: int) -> Envelope | None:
+        key = (node_id, position)
+        if key in self._heartbeats:
+            self._heartbeats.move_to_end(key)
+            return self._heartbeats[key]
+        raw = await self.controller.last_heartbeat(node_id, position)
+        beat = None
+        if raw is not None:
+            try:
+                beat = decode_envelope(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                beat = None
+        self._heartbeats[key] = beat
+        if len(self._heartbeats) > HEARTBEATS_KEPT:
+            self._heartbeats.popitem(last=False)
+        return beat
 
     async def events_data(self, request: web.Request) -> web.Response:
         try:

@@ -331,7 +331,7 @@ async def test_each_page_embeds_its_data_safely_under_a_strict_policy(
     controller.nodes.append(node("node-2", region=hostile))
     controller.commit("node.registered.v1", "node/node-2", node_id="node-2", region=hostile)
     controller.commit(HEARTBEAT, "heartbeat/node-2", node_id="node-2", seq=1)
-    for page in ("fleet", "clusters", "events"):
+    for page in ("fleet", "clusters", "events", "incidents"):
         resp = await keyed.get(f"/ui/{page}", headers=bearer(ADMIN))
         assert resp.status == 200 and resp.content_type == "text/html"
         csp = resp.headers["Content-Security-Policy"]
@@ -361,6 +361,53 @@ async def test_a_page_says_when_the_controller_does_not_answer(
     assert "controller not reachable" in embedded(await resp.text())["data"]["error"]
     resp = await keyed.get("/ui/data/fleet", headers=bearer(ADMIN))
     assert resp.status == 503 and resp.headers["Retry-After"] == "2"
+    resp = await keyed.get("/ui/incidents", headers=bearer(ADMIN))
+    assert resp.status == 200
+    assert "controller not reachable" in embedded(await resp.text())["data"]["error"]
+    assert (await keyed.get("/ui/data/incidents", headers=bearer(ADMIN))).status == 503
+
+
+async def test_incidents_are_drawn_with_the_nodes_last_heartbeat_read_back_for_them(
+    keyed: TestClient[Any, Any], controller: ScriptedController
+) -> None:
+    def replica(type_: str, replica_id: str, **payload: Any) -> None:
+        controller.commit(type_, f"replica/{replica_id}", replica_id=replica_id, **payload)
+
+    replica("replica.placed.v1", "echo-0", cluster="echo", node_id="node-1", epoch=1)
+    replica("replica.ready.v1", "echo-0", epoch=1, address="http://10.0.0.1:8000")
+    controller.commit(HEARTBEAT, "heartbeat/node-1", node_id="node-1", seq=1)
+    last = len(controller.log)
+    # The rest of the fleet's heartbeats: the lookback has to go past a page of them.
+    for seq in range(2500):
+        controller.commit(HEARTBEAT, "heartbeat/node-0", node_id="node-0", seq=seq)
+    for state in ("suspect", "offline"):
+        controller.commit(
+            "node.health_changed.v1",
+            "node/node-1",
+            node_id="node-1",
+            state=state,
+            reason="missed_heartbeats",
+        )
+    replica("replica.failed.v1", "echo-0", epoch=1, reason="node_offline", detail="<b>gone</b>")
+    replica("replica.placed.v1", "echo-0", cluster="echo", node_id="node-0", epoch=2)
+
+    resp = await keyed.get("/ui/data/incidents", headers=bearer(ADMIN))
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    assert body["count"] == 1 and body["head"] == len(controller.log)
+    drawn = body["html"]
+    assert 'data-node="node-1"' in drawn and 'data-state="ongoing"' in drawn
+    assert 'data-kind="heartbeat"' in drawn and f"<td class=num>{last}</td>" in drawn
+    assert "&lt;b&gt;gone&lt;/b&gt;" in drawn and "<b>gone" not in drawn
+    page = await (await keyed.get("/ui/incidents", headers=bearer(ADMIN))).text()
+    assert 'data-node="node-1"' in page and embedded(page)["data"]["count"] == 1
+    # The heartbeat, found once, is not looked for again.
+    asked = len(controller.asked)
+    replica("replica.ready.v1", "echo-0", epoch=2, address="http://10.0.0.2:8000")
+    body = await (await keyed.get("/ui/data/incidents", headers=bearer(ADMIN))).json()
+    assert 'data-state="resolved"' in body["html"]
+    again = controller.asked[asked:]
+    assert again.count("events.list") <= 4, again
 
 
 # -- the events backfill ------------------------------------------------------------------------

@@ -3,7 +3,8 @@ controller process, agents with fake GPUs running the echo workload, and the gat
 
 Each page renders its rows with no console error, exception or failed load; the fleet page
 follows the event stream, so a node whose agent is killed turns offline on the page, and its
-replica shows up on another node, with no reload.
+replica shows up on another node, with no reload; the incidents page, open beside it, draws the
+node's loss as it happens.
 
 Skipped where there is no chromium (`apt-get install -y chromium`; .ci/run installs it). The
 screenshots in docs/img are these pages; to take them again:
@@ -36,6 +37,9 @@ pytestmark = [
 ADMIN = "gm-admin-browser-test-0123456789"
 READY = "document.body.dataset.ready === '1'"
 LIVE = "document.getElementById('live').classList.contains('on')"
+SECTIONS = """[...document.querySelectorAll('section.incident')].map((s) => ({
+    node: s.dataset.node, state: s.dataset.state, head: s.querySelector('header').textContent,
+    marks: [...s.querySelectorAll('svg .mark')].map((m) => m.dataset.kind)}))"""
 
 
 def shots(tmp_path: Path) -> Path:
@@ -164,7 +168,7 @@ async def test_each_page_renders_its_rows_with_no_console_errors(
             await bus.close()
 
 
-async def test_the_fleet_page_follows_a_node_going_offline_with_no_reload(
+async def test_the_fleet_and_incidents_pages_follow_a_node_going_offline_with_no_reload(
     tmp_path: Path, nats_server_binary: Path
 ) -> None:
     async with Stack(tmp_path / "stack", agents=2, nats_binary=nats_server_binary) as stack:
@@ -174,6 +178,10 @@ async def test_the_fleet_page_follows_a_node_going_offline_with_no_reload(
                 page = await browser.new_page()
                 await open_page(page, f"{gateway.url}/ui/fleet")
                 await page.evaluate("window.stillTheSamePage = true")
+                incidents = await browser.new_page()
+                await open_page(incidents, f"{gateway.url}/ui/incidents")
+                await incidents.evaluate("window.stillTheSamePage = true")
+                assert await incidents.evaluate(SECTIONS) == []
                 health = (
                     "Object.fromEntries([...document.querySelectorAll('#nodes tbody tr')]"
                     ".map(t => [t.dataset.id, t.cells[1].querySelector('.badge').textContent]))"
@@ -211,5 +219,30 @@ async def test_the_fleet_page_follows_a_node_going_offline_with_no_reload(
                 assert await page.evaluate("window.stillTheSamePage") is True
                 assert await page.evaluate("performance.getEntriesByType('navigation').length") == 1
                 assert page.problems == []
+
+                # The incidents page, open all along, drew the node's loss as it happened: its
+                # last heartbeat, suspect, offline, the replica failed, placed again and ready.
+                await incidents.wait_for(
+                    f"{SECTIONS}.some(s => s.node === {victim!r} && s.state === 'resolved')",
+                    timeout=15,
+                )
+                (drawn,) = await incidents.evaluate(SECTIONS)
+                assert drawn["node"] == victim
+                for kind in ("heartbeat", "suspect", "offline", "failed", "placed", "ready"):
+                    assert kind in drawn["marks"], (kind, drawn)
+                assert drawn["marks"].index("failed") < drawn["marks"].index("ready")
+                assert "1 replica moved" in drawn["head"] and "replaced in" in drawn["head"]
+                rows = await incidents.evaluate(
+                    "[...document.querySelectorAll('section.incident tbody tr')]"
+                    ".map(t => t.cells[4].textContent)"
+                )
+                assert f"echo-0 epoch 2 on {other}" in rows, rows
+                assert await incidents.evaluate("window.stillTheSamePage") is True
+                assert (
+                    await incidents.evaluate("performance.getEntriesByType('navigation').length")
+                    == 1
+                )
+                await incidents.screenshot(shots(tmp_path) / "dashboard-incidents.png")
+                assert incidents.problems == []
         finally:
             await bus.close()
