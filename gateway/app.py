@@ -62,7 +62,7 @@ def build_app(
     # is not reported as a 504.
     control = control_app(bus, timeout=35.0, body_timeout=request_body_timeout_s, keys=keys)
     app.add_subapp("/api/v1", control)
-    mount_ui(app, bus, keys)
+    mount_ui(app, bus, keys, registry=registry)
     return app
 
 

@@ -12,6 +12,9 @@
     GET  /ui/data/clusters         {"head", "clusters"}
     GET  /ui/data/events?to=&limit=  {"head", "start", "events"}: the last events up to `to`
     GET  /ui/data/incidents        {"head", "count", "html"}: the incidents, drawn (timeline.py)
+    GET  /ui/data/metrics          {"interval_s", "samples"}: this gateway's last 15 minutes per
+                                   cluster (history.py), for the clusters page's charts
+    GET  /ui/data/metrics/stream   the same, then each new sample (SSE)
     GET  /ui/api/...               the read routes of /api/v1 (gateway/control_routes.py),
                                    /ui/api/events/stream above all: the pages' live feed (SSE)
 
@@ -28,14 +31,17 @@ gateway/ui/session.py. Without it a page is sent to the login form, and a data r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import html
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Final
 from urllib.parse import parse_qs, quote, urlsplit
 
 import msgspec
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from events import Envelope
 from events.catalog import event_type_names
@@ -43,12 +49,14 @@ from events.codec import decode_envelope
 from gateway.auth import KeyRing
 from gateway.control_routes import ControlError, control_app, invalid, read_body
 from runtime.env import Bus
+from runtime.real_env import LoopClock
 
 from .assets import Assets, template
 from .data import DEFAULT_EVENTS, MAX_EVENTS, ControllerClient
-from .incidents import incidents
+from .history import MetricsHistory
+from .incidents import Incident, incidents
 from .session import COOKIE, Sessions
-from .timeline import incident_html
+from .timeline import Bin, incident_html
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -85,15 +93,24 @@ class _EventsData(msgspec.Struct, frozen=True):
     limit: int = DEFAULT_EVENTS
 
 
-def mount(app: web.Application, bus: Bus, keys: KeyRing, *, timeout: float = 10.0) -> None:
+def mount(
+    app: web.Application,
+    bus: Bus,
+    keys: KeyRing,
+    *,
+    timeout: float = 10.0,
+    registry: CollectorRegistry | None = None,
+) -> None:
     """The dashboard at /ui of the gateway's application (and /ui itself, which a sub-app
-    cannot answer, sent to /ui/fleet)."""
+    cannot answer, sent to /ui/fleet). `registry`: the gateway's metrics, sampled for the
+    clusters page's charts (none: no charts)."""
 
     async def bare(request: web.Request) -> web.StreamResponse:
         raise web.HTTPSeeOther(f"{PREFIX}/fleet")
 
+    history = MetricsHistory(registry, LoopClock()) if registry is not None else None
     app.router.add_get(PREFIX, bare)
-    app.add_subapp(PREFIX, ui_app(bus, keys, timeout=timeout))
+    app.add_subapp(PREFIX, ui_app(bus, keys, timeout=timeout, history=history))
 
 
 def ui_app(
@@ -104,11 +121,17 @@ def ui_app(
     events_poll: float = 5.0,
     keepalive: float = 15.0,
     sessions: Sessions | None = None,
+    history: MetricsHistory | None = None,
 ) -> web.Application:
     """The /ui sub-application. `timeout`: seconds for each controller reply; `events_poll`
-    and `keepalive`: the event stream's (gateway/control_routes.py control_app)."""
-    ui = _Dashboard(bus, keys, timeout=timeout, sessions=sessions or Sessions(keys))
+    and `keepalive`: the event stream's (gateway/control_routes.py control_app); `history`:
+    sampled while the app runs (a task of its own, cancelled by the app's cleanup)."""
+    ui = _Dashboard(
+        bus, keys, timeout=timeout, sessions=sessions or Sessions(keys), history=history
+    )
     app = web.Application(middlewares=[ui.gate])
+    if history is not None:
+        app.cleanup_ctx.append(_sampling(history))
     app.on_response_prepare.append(_security_headers)
     app.router.add_get("/", ui.index)
     for page, _ in PAGES:
@@ -121,11 +144,29 @@ def ui_app(
     app.router.add_get("/data/clusters", ui.clusters_data)
     app.router.add_get("/data/events", ui.events_data)
     app.router.add_get("/data/incidents", ui.incidents_data)
+    app.router.add_get("/data/metrics", ui.metrics_data)
+    app.router.add_get("/data/metrics/stream", ui.metrics_stream)
     ui.public = {login, login_post, static}
     # The read verbs of /api/v1, behind this app's own check (keys=None: none of its own).
     api = control_app(bus, timeout=timeout, events_poll=events_poll, keepalive=keepalive)
     app.add_subapp("/api", api)
     return app
+
+
+def _sampling(
+    history: MetricsHistory,
+) -> Callable[[web.Application], AbstractAsyncContextManager[None]]:
+    @contextlib.asynccontextmanager
+    async def sampling(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.create_task(history.run(), name="ui-metrics-history")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return sampling
 
 
 async def _security_headers(request: web.Request, response: web.StreamResponse) -> None:
@@ -136,8 +177,17 @@ async def _security_headers(request: web.Request, response: web.StreamResponse) 
 
 
 class _Dashboard:
-    def __init__(self, bus: Bus, keys: KeyRing, *, timeout: float, sessions: Sessions) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        keys: KeyRing,
+        *,
+        timeout: float,
+        sessions: Sessions,
+        history: MetricsHistory | None,
+    ) -> None:
         self.keys = keys
+        self.history = history
         self.sessions = sessions
         self.controller = ControllerClient(bus, timeout=timeout)
         self.assets = Assets()
@@ -315,6 +365,47 @@ class _Dashboard:
     async def clusters_data(self, request: web.Request) -> web.Response:
         return _json(await self.controller.clusters())
 
+    async def metrics_data(self, request: web.Request) -> web.Response:
+        return _json(msgspec.json.encode(self._metrics()))
+
+    def _metrics(self) -> dict[str, object]:
+        if self.history is None:
+            return {"interval_s": 0, "samples": []}
+        return self.history.snapshot()
+
+    async def metrics_stream(self, request: web.Request) -> web.StreamResponse:
+        """`snapshot` (every sample kept) first, then `sample` as each is taken."""
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await response.prepare(request)
+        snapshot = msgspec.json.encode(self._metrics())
+        await response.write(b"retry: 5000\nevent: snapshot\ndata: %s\n\n" % snapshot)
+        if self.history is None:
+            return response
+        quiet = 0.0
+        try:
+            async for sample in self.history.follow():
+                transport = request.transport
+                if transport is None or transport.is_closing():
+                    break
+                if sample is None:
+                    quiet += 1.0
+                    if quiet >= 15.0:  # a proxy in between must not close it as idle
+                        await response.write(b": keep-alive\n\n")
+                        quiet = 0.0
+                    continue
+                quiet = 0.0
+                frame = b"event: sample\ndata: %s\n\n" % msgspec.json.encode(sample)
+                await response.write(frame)
+        except ConnectionResetError:
+            pass  # the page went away
+        return response
+
     async def incidents_data(self, request: web.Request) -> web.Response:
         head, count, drawn = await self._incidents()
         return _json(msgspec.json.encode({"head": head, "count": count, "html": drawn}))
@@ -342,8 +433,27 @@ class _Dashboard:
         if any(beats):
             merged = [*envelopes, *(b for b in beats if b is not None)]
             found = incidents(sorted(merged, key=lambda e: e.position))[-MAX_INCIDENTS:]
-        drawn = "".join(incident_html(i) for i in reversed(found))
+        drawn = "".join(self._draw(i) for i in reversed(found))
         return backfill.head, len(found), drawn
+
+    def _draw(self, incident: Incident) -> str:
+        """With this gateway's requests to the clusters it moved, while it lasted (what the
+        metrics history still holds: 15 minutes), under its timeline."""
+        if self.history is None:
+            return incident_html(incident)
+        clusters = {m.cluster for m in incident.moves}
+        bins = []
+        for s in self.history.window(incident.begin_ns, incident.end_ns, clusters):
+            rates = s.clusters.values()
+            answered = sum(r.rps for r in rates) * s.seconds
+            failed = sum(r.errors for r in rates) * s.seconds
+            retried = sum(r.retries for r in rates) * s.seconds
+            start = s.at_ns - round(s.seconds * 1e9)
+            bins.append(Bin(start, round(answered - failed), round(failed), round(retried)))
+        if not any(b.ok or b.failed or b.retried for b in bins):
+            return incident_html(incident)
+        width = round(self.history.interval_s * 1e9)
+        return incident_html(incident, requests=bins, bin_ns=width)
 
     async def _last_heartbeat(self, node_id: str, position: int) -> Envelope | None:
         key = (node_id, position)

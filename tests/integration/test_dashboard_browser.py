@@ -18,9 +18,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from gateway.auth import KeyRing
+from gateway.ui import history
 from tests.integration.browser import Chromium, Page, chromium_path
 from tests.integration.gateway_kit import running_gateway
 from tests.integration.stack import Stack, echo_spec
@@ -35,6 +37,7 @@ pytestmark = [
 ]
 
 ADMIN = "gm-admin-browser-test-0123456789"
+TENANT = "gm-tenant-browser-test-0123456789"
 READY = "document.body.dataset.ready === '1'"
 LIVE = "document.getElementById('live').classList.contains('on')"
 SECTIONS = """[...document.querySelectorAll('section.incident')].map((s) => ({
@@ -64,9 +67,13 @@ async def open_page(page: Page, url: str) -> None:
 
 
 async def test_each_page_renders_its_rows_with_no_console_errors(
-    tmp_path: Path, nats_server_binary: Path
+    tmp_path: Path, nats_server_binary: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    keys = KeyRing.from_mapping({"admin_keys": [ADMIN]})
+    # The clusters page's charts: a sample every 0.3 s rather than 10 s, for the test.
+    monkeypatch.setattr(history, "INTERVAL_S", 0.3)
+    keys = KeyRing.from_mapping(
+        {"admin_keys": [ADMIN], "tenants": {"t": {"keys": [TENANT], "rate_per_s": 0}}}
+    )
     async with Stack(tmp_path / "stack", agents=3, nats_binary=nats_server_binary) as stack:
         await stack.create_cluster(echo_spec(3))
         replicas = await ready_replicas(stack, "echo", 3)
@@ -116,7 +123,30 @@ async def test_each_page_renders_its_rows_with_no_console_errors(
                 await page.screenshot(shots(tmp_path) / "dashboard-fleet.png")
                 assert page.problems == []
 
+                # Traffic through the gateway: the clusters page charts it.
+                async with aiohttp.ClientSession() as session:
+                    for _ in range(20):
+                        async with session.post(
+                            f"{gateway.url}/v1/chat/completions",
+                            json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]},
+                            headers={"Authorization": f"Bearer {TENANT}"},
+                        ) as resp:
+                            assert resp.status == 200, await resp.text()
                 await open_page(page, f"{gateway.url}/ui/clusters")
+                charts = "document.querySelector('div.charts[data-cluster=echo]')"
+                await page.wait_for(f"Number({charts}.dataset.peak) > 0")
+                titles = await page.evaluate(
+                    f"[...{charts}.querySelectorAll('svg.chart')].map(c => c.ariaLabel"
+                    " || c.getAttribute('aria-label'))"
+                )
+                assert titles == ["requests / s", "latency", "errors / s"]
+                series = await page.evaluate(
+                    f"[...{charts}.querySelectorAll('path.series')].map(p => p.dataset.series)"
+                )
+                assert {"requests", "p50", "p99"} <= set(series), series
+                # New samples come over the stream: the charts grow with no reload.
+                drawn = await page.evaluate(f"Number({charts}.dataset.samples)")
+                await page.wait_for(f"Number({charts}.dataset.samples) > {drawn}")
                 clusters = await page.evaluate(
                     """[...document.querySelectorAll('section.cluster')].map((s) => ({
                         name: s.dataset.name,
