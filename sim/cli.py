@@ -41,6 +41,12 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     run.add_argument(
         "--record", type=Path, metavar="FILE", help="write a record `gpumesh sim replay` re-runs"
     )
+    run.add_argument(
+        "--html",
+        type=Path,
+        metavar="FILE",
+        help="write a self-contained HTML report: timeline, incidents, charts (sim/report_html.py)",
+    )
     run.set_defaults(handler=run_command)
 
     fuzz = sub.add_parser("fuzz", parents=list(parents), help="run many seeds until one fails")
@@ -105,7 +111,14 @@ async def run_command(args: argparse.Namespace) -> int:
         raise CommandFailed(str(exc)) from None
     commit = git_commit()
     print(f"gpumesh sim: scenario {path}, seed {args.seed}, commit {commit}", file=sys.stderr)
-    result, world = _in_thread(run_scenario, scenario, args.seed)
+    if args.html:
+        from .report_html import report, run_recorded
+
+        result, world, traffic = _in_thread(run_recorded, scenario, args.seed)
+        args.html.write_text(report(result, world, traffic, commit=commit), encoding="utf-8")
+        print(f"gpumesh sim: report in {args.html}", file=sys.stderr)
+    else:
+        result, world = _in_thread(run_scenario, scenario, args.seed)
     if args.events_out:
         with args.events_out.open("wb") as out:
             for envelope in world.store.read_all_now():

@@ -178,7 +178,7 @@ def timeline_svg(
     out = [
         f'<svg class="timeline" viewBox="0 0 {WIDTH} {height}" width="100%" '
         f'role="img" aria-label="timeline of the incident on {escape(incident.node_id)}" '
-        'xmlns="http://www.w3.org/2000/svg" font-family="system-ui, sans-serif" font-size="11">'
+        'font-family="system-ui, sans-serif" font-size="11">'
     ]
     out += _axis(incident.start_ns, lo, hi, x, height, label)
     for index, (name, marks, lane_move) in enumerate(lanes):
@@ -365,9 +365,11 @@ def line_chart(
     title: str,
     width: int = 460,
     height: int = 150,
+    marks: Sequence[tuple[float, float, str]] = (),
 ) -> str:
     """A small line chart as inline SVG: `series` of (name, colour, [(x, y or None)]), a gap
-    where y is None. The y axis starts at 0 and ends at a round number over the highest y."""
+    where y is None. The y axis starts at 0 and ends at a round number over the highest y.
+    `marks`: (from x, to x, what) shaded behind the lines (a fault while it lasted)."""
     left, right, top, bottom = 46, 10, 20, 22
     lo, hi = x_range
     hi = hi if hi > lo else lo + 1
@@ -382,11 +384,18 @@ def line_chart(
 
     out = [
         f'<svg class="chart" viewBox="0 0 {width} {height}" width="100%" role="img" '
-        f'aria-label="{escape(title)}" xmlns="http://www.w3.org/2000/svg" '
+        f'aria-label="{escape(title)}" '
         'font-family="system-ui, sans-serif" font-size="10">',
         f'<text x="{left}" y="12" font-size="11" font-weight="600" fill="#1d2430">'
         f"{escape(title)}</text>",
     ]
+    for start, until, what in marks:
+        a, b = px(max(lo, start)), px(min(hi, max(start, until)))
+        out.append(
+            f'<rect class="fault" x="{a}" y="{top}" width="{max(1.0, round(b - a, 1))}" '
+            f'height="{height - top - bottom}" fill="#c62828" fill-opacity="0.08">'
+            f"<title>{escape(what)}</title></rect>"
+        )
     for k in range(3):
         v = y_top * k / 2
         out.append(
@@ -396,8 +405,9 @@ def line_chart(
         )
     for k in range(5):
         v = lo + (hi - lo) * k / 4
+        anchor = "start" if k == 0 else "end" if k == 4 else "middle"
         out.append(
-            f'<text x="{px(v)}" y="{height - 6}" text-anchor="middle" fill="#667085">'
+            f'<text x="{px(v)}" y="{height - 6}" text-anchor="{anchor}" fill="#667085">'
             f"{escape(x_label(v))}</text>"
         )
     legend_x = width - right
