@@ -14,6 +14,7 @@ from typing import Any
 
 from wire.stack import find_nats_url
 
+from .dispatch import MAX_HELD
 from .retry import RetryPolicy
 from .router import RouterConfig
 
@@ -120,6 +121,14 @@ def add_arguments(gw: argparse.ArgumentParser) -> None:
         f"(default {retry.queue_timeout_s:g})",
     )
     gw.add_argument(
+        "--max-held",
+        type=int,
+        default=MAX_HELD,
+        metavar="N",
+        help="requests held per cluster while it starts from zero replicas (autoscale min 0); "
+        f"more are refused at once with 503 hold_full (default {MAX_HELD})",
+    )
+    gw.add_argument(
         "--attempts",
         type=int,
         default=retry.max_attempts,
@@ -165,6 +174,8 @@ def config_from(args: argparse.Namespace) -> Any:
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
     host, port = parse_listen(args.listen)
+    if args.max_held < 1:
+        raise ValueError(f"--max-held: expected at least 1, got {args.max_held}")
     return GatewayConfig(
         gateway_id=args.gateway_id or f"gw-{socket.gethostname()}-{os.getpid()}",
         host=host,
@@ -177,6 +188,7 @@ def config_from(args: argparse.Namespace) -> Any:
             first_byte_timeout_s=min(args.first_byte_timeout, args.request_timeout),
             queue_timeout_s=args.queue_timeout,
         ),
+        max_held=args.max_held,
         router=RouterConfig(eject_after=args.eject_after),
         affinity=args.affinity,
         access_log=not args.no_access_log,

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from events.contract.messages import RouteEntry
 from runtime.env import Clock, RandomSource
 
+from .load import LoadMeter
 from .retry import RetryPolicy
 from .router import Ejection, Router
 from .transport.base import BrokenWhileHeld, FirstByteTimeout, Outcome, UpstreamError
@@ -23,6 +25,10 @@ T = TypeVar("T")
 # do not all come back in the same second.
 RETRY_AFTER_MIN_S = 1.0
 RETRY_AFTER_MAX_S = 5.0
+# Requests one gateway holds per cluster while it starts from zero replicas (`--max-held`):
+# enough for a burst to wait out a cold start, bounded so that a flood of them is refused at
+# once rather than each holding a connection and a task for minutes.
+MAX_HELD = 256
 
 
 class DispatchError(Exception):
@@ -78,6 +84,45 @@ class NoReadyReplica(DispatchError):
         self.retry_after_s = retry_after_s
 
 
+class ColdStartTimeout(NoReadyReplica):
+    """The cluster scales from zero, and no replica became ready within the time a request may
+    be held for it (RoutingUpdate.cold_start: its spec's `autoscale.cold_start_timeout_s`).
+
+    A NoReadyReplica, so a caller that handles that one (the simulator) handles this too."""
+
+    def __init__(self, cluster: str, limit_s: float, retry_after_s: float) -> None:
+        DispatchError.__init__(
+            self,
+            503,
+            "cold_start_timeout",
+            f"no replica of cluster {cluster!r} became ready within {limit_s:g} s "
+            "(autoscale.cold_start_timeout_s)",
+            f"cluster {cluster}: no replica ready after a {limit_s:g} s cold start",
+        )
+        self.cluster = cluster
+        self.waited_s = self.limit_s = limit_s
+        self.retry_after_s = retry_after_s
+
+
+class HoldFull(NoReadyReplica):
+    """The cluster is starting from zero replicas and this gateway already holds `max_held`
+    requests for it: one more is refused at once rather than queued without bound."""
+
+    def __init__(self, cluster: str, max_held: int, retry_after_s: float) -> None:
+        DispatchError.__init__(
+            self,
+            503,
+            "hold_full",
+            f"cluster {cluster!r} is starting from zero replicas and already holds "
+            f"{max_held} requests (gateway --max-held)",
+            f"cluster {cluster}: {max_held} requests held for a cold start already",
+        )
+        self.cluster = cluster
+        self.waited_s = 0.0
+        self.max_held = max_held
+        self.retry_after_s = retry_after_s
+
+
 class AttemptsExhausted(DispatchError):
     """Every attempt failed before an answer could begin; `last` says how the last one did.
 
@@ -109,6 +154,40 @@ def _ignore(_ejection: Ejection) -> None:
     return None
 
 
+class HoldObserver(Protocol):
+    """Told of the requests a dispatcher holds for want of a replica (the gateway's metrics
+    and its load reports; gateway/load_publisher.py). Called on the request's own task: quick,
+    no I/O."""
+
+    def held(self, cluster: str, count: int) -> None:
+        """This dispatcher now holds `count` requests of `cluster`."""
+
+    def held_at_zero(self, cluster: str) -> None:
+        """A request began to wait for a cluster with no route at all: the autoscaler's
+        cold-start signal, which must not wait for the next report."""
+
+    def cold_start(self, cluster: str, seconds: float) -> None:
+        """A request held while `cluster` started from zero got its answer's first byte
+        `seconds` after its hold began."""
+
+
+@dataclass(slots=True)
+class _Request:
+    """One request's way through run(): what the waits and the load meter need of it."""
+
+    cluster: str
+    key: str
+    arrival: float
+    # What the deadline and the queue timeout count from: the arrival, moved on by the time
+    # held in a cold start, which is the cluster's time to start and not the request's budget.
+    start: float
+    tried: list[RouteEntry] = field(default_factory=list)
+    holding: bool = False  # counted among the cluster's held requests
+    in_flight: bool = False  # counted in flight on the meter
+    cold_since: float | None = None  # held in a cold start since
+    cold_began: float | None = None  # its first cold-start hold began (the histogram's zero)
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -117,14 +196,27 @@ class Dispatcher:
         clock: Clock,
         rng: RandomSource,
         on_ejection: Callable[[Ejection], None] = _ignore,
+        *,
+        meter: LoadMeter | None = None,
+        holds: HoldObserver | None = None,
+        max_held: int = MAX_HELD,
     ) -> None:
+        """`meter`, if given, counts every request's load for the autoscaler: its arrival, its
+        holds, and in flight from its first attempt until the caller's `finished`. `max_held`
+        bounds the requests held per cluster while it starts from zero (HoldFull beyond)."""
+        if max_held < 1:
+            raise ValueError(f"max_held must be >= 1, got {max_held!r}")
         self.router = router
         self.policy = policy
         self._clock = clock
         self._rng = rng
-        # Public: the caller reports the ejections its own finished(route, ...) calls cause
-        # (an answer that broke off on its way to the client), through the same hook.
+        # Also told of the ejections that `finished` causes: an answer that broke off on its
+        # way to the client counts against its replica as an attempt's failure does.
         self.on_ejection = on_ejection
+        self.meter = meter
+        self._holds = holds
+        self.max_held = max_held
+        self._held: dict[str, int] = {}  # cluster -> requests waiting for a replica of it
         # Replaced on every notify(): a waiter holds the event current when it last looked at
         # the table, so a change between its look and its wait still wakes it.
         self._table_changed = asyncio.Event()
@@ -133,6 +225,21 @@ class Dispatcher:
         """Wake the requests waiting for a replica; call after router.apply() returned True."""
         self._table_changed.set()
         self._table_changed = asyncio.Event()
+
+    def held(self, cluster: str) -> int:
+        """Requests of `cluster` waiting for a replica now."""
+        return self._held.get(cluster, 0)
+
+    def finished(self, cluster: str, route: RouteEntry, outcome: Outcome) -> None:
+        """The answer run() returned for `cluster` has ended (in full: "ok"; broken off:
+        "stream_broken"; the client left: "cancelled"): the route's outstanding request is
+        done, an ejection that causes is reported, and the meter no longer counts it in
+        flight. Exactly once per successful run()."""
+        ejection = self.router.finished(route, outcome)
+        if ejection is not None:
+            self.on_ejection(ejection)
+        if self.meter is not None:
+            self.meter.done(cluster)
 
     async def run(
         self,
@@ -152,21 +259,39 @@ class Dispatcher:
         non-streaming body whole). An UpstreamError from it is an attempt's failure like any
         other: it counts against the route and is retried on the policy's terms.
 
-        The request stays outstanding on that route: the caller calls
-        `router.finished(route, ...)` once the body is done, with "ok", "stream_broken" or
-        "cancelled".
+        The request stays outstanding on that route (and in flight on the meter): the caller
+        calls `finished(cluster, route, ...)` once the body is done, with "ok",
+        "stream_broken" or "cancelled".
         """
         if not self.router.known(cluster):
             raise UnknownCluster(cluster)
         arrival = self._clock.monotonic()
-        deadline = arrival + self.policy.deadline_s
-        give_up_waiting = min(arrival + self.policy.queue_timeout_s, deadline)
-        tried: list[RouteEntry] = []
+        request = _Request(cluster, key, arrival, arrival)
+        if self.meter is not None:
+            self.meter.arrived(cluster)
+        try:
+            return await self._run(request, attempt, repeatable, settle)
+        except BaseException:
+            if request.in_flight and self.meter is not None:
+                self.meter.done(cluster)
+            raise
+        finally:
+            self._unhold(request)
+
+    async def _run(
+        self,
+        request: _Request,
+        attempt: Callable[[RouteEntry, float], Awaitable[T]],
+        repeatable: bool,
+        settle: Callable[[RouteEntry, T], Awaitable[None]] | None,
+    ) -> tuple[RouteEntry, T]:
+        cluster = request.cluster
         attempts = 0
         last: UpstreamError | None = None
         while True:
             dead = last is not None and last.outcome == "connect_error"
-            route = await self._next_route(cluster, key, tried, arrival, give_up_waiting, dead)
+            route = await self._next_route(request, dead)
+            deadline = request.start + self.policy.deadline_s
             left = deadline - self._clock.monotonic()
             if left <= 0:
                 # The wait for a replica used up the deadline: not the replica's fault, so no
@@ -175,15 +300,19 @@ class Dispatcher:
                     raise AttemptsExhausted(
                         last, attempts, cluster, repeatable=repeatable
                     ) from last
-                raise self._no_ready_replica(cluster, arrival)
+                raise self._no_ready_replica(cluster, request.arrival)
             first_byte_timeout = min(self.policy.first_byte_timeout_s, left)
             attempts += 1
+            if not request.in_flight and self.meter is not None:
+                self.meter.sent(cluster)
+            request.in_flight = True
             try:
-                return route, await self._attempt(route, attempt, settle, first_byte_timeout)
+                result = await self._attempt(request, route, attempt, settle, first_byte_timeout)
+                return route, result
             except UpstreamError as exc:
                 failure = last = exc
-            if route not in tried:
-                tried.append(route)
+            if route not in request.tried:
+                request.tried.append(route)
             delay = self.policy.backoff(attempts, self._rng)
             if (
                 not self.policy.retryable(failure, repeatable=repeatable)
@@ -197,6 +326,7 @@ class Dispatcher:
 
     async def _attempt(
         self,
+        request: _Request,
         route: RouteEntry,
         attempt: Callable[[RouteEntry, float], Awaitable[T]],
         settle: Callable[[RouteEntry, T], Awaitable[None]] | None,
@@ -216,9 +346,9 @@ class Dispatcher:
                 raise FirstByteTimeout(
                     route.replica_id, f"no response head within {first_byte_timeout:g} s"
                 ) from None
+            head_at = self._clock.monotonic()
             if settle is not None:
                 await settle(route, result)
-            return result
         except (UpstreamError, DispatchError) as exc:
             ejection = self.router.finished(route, exc.outcome)
             if ejection is not None:
@@ -229,16 +359,16 @@ class Dispatcher:
             # longer outstanding, and neither says anything about the replica's health.
             self.router.finished(route, "cancelled")
             raise
+        # Counted once the answer is certain to be passed on (a body that broke in `settle` is
+        # retried elsewhere), at the moment its head came.
+        if self.meter is not None:
+            self.meter.first_byte(request.cluster, head_at - request.arrival)
+        if self._holds is not None and request.cold_began is not None:
+            self._holds.cold_start(request.cluster, head_at - request.cold_began)
+        return result
 
-    async def _next_route(
-        self,
-        cluster: str,
-        key: str,
-        tried: list[RouteEntry],
-        arrival: float,
-        give_up: float,
-        dead: bool = False,
-    ) -> RouteEntry:
+    async def _next_route(self, request: _Request, dead: bool = False) -> RouteEntry:
+        cluster, key = request.cluster, request.key
         while True:
             changed = self._table_changed
             if not self.router.known(cluster):
@@ -246,39 +376,99 @@ class Dispatcher:
             # Only the placements that failed are excluded: a replica replaced at a new epoch
             # (same id, maybe another node) is a new candidate.
             current = set(self.router.routes(cluster))
-            exclude = [r.replica_id for r in tried if r in current]
+            exclude = [r.replica_id for r in request.tried if r in current]
             route = self.router.choose(cluster, key=key, exclude=exclude)
             if route is not None:
+                self._unhold(request)
                 return route
-            if exclude and dead:
-                # Every candidate failed once already, the last one refusing connections: its
-                # node died and the controller is replacing it. Wait for the table to change
-                # (within the queue timeout) before another go at a replica that just failed.
-                left = give_up - self._clock.monotonic()
-                if left > 0:
-                    try:
-                        async with asyncio.timeout(left):
-                            await changed.wait()
-                        continue
-                    except TimeoutError:
-                        pass
-            if exclude and (route := self.router.choose(cluster, key=key)) is not None:
-                return route  # another go beats giving up while attempts remain
-            left = give_up - self._clock.monotonic()
-            if left > 0:
-                try:
-                    async with asyncio.timeout(left):
-                        await changed.wait()
+            cold_start_s = None if current else self.router.cold_start(cluster)
+            if cold_start_s is not None:
+                # Starting from zero replicas: hold the request for as long as a replica may
+                # take to start, rather than the queue timeout, which a cold start outlasts.
+                if await self._wait(request, changed, request.arrival + cold_start_s, cold=True):
                     continue
-                except TimeoutError:
-                    pass
+                if (route := self.router.choose(cluster, key=key)) is not None:
+                    self._unhold(request)
+                    return route  # a change in the very tick the wait ran out
+                raise ColdStartTimeout(cluster, cold_start_s, self._retry_after())
+            self._end_cold(request)
+            give_up = request.start + min(self.policy.queue_timeout_s, self.policy.deadline_s)
+            # Every candidate failed once already, the last one refusing connections: its node
+            # died and the controller is replacing it. Wait for the table to change (within the
+            # queue timeout) before another go at a replica that just failed.
+            if exclude and dead and await self._wait(request, changed, give_up):
+                continue
+            if exclude and (route := self.router.choose(cluster, key=key)) is not None:
+                self._unhold(request)
+                return route  # another go beats giving up while attempts remain
+            if await self._wait(request, changed, give_up):
+                continue
             if (route := self.router.choose(cluster, key=key)) is not None:
+                self._unhold(request)
                 return route  # a change in the very tick the wait ran out
-            raise self._no_ready_replica(cluster, arrival)
+            raise self._no_ready_replica(cluster, request.arrival)
+
+    async def _wait(
+        self, request: _Request, changed: asyncio.Event, until: float, *, cold: bool = False
+    ) -> bool:
+        """Hold the request until the table changes (True) or `until` (False)."""
+        left = until - self._clock.monotonic()
+        if left <= 0:
+            return False
+        self._hold(request, cold)
+        try:
+            async with asyncio.timeout(left):
+                await changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _hold(self, request: _Request, cold: bool) -> None:
+        cluster = request.cluster
+        if cold and not request.holding and self.held(cluster) >= self.max_held:
+            raise HoldFull(cluster, self.max_held, self._retry_after())
+        if cold and request.cold_since is None:
+            request.cold_since = self._clock.monotonic()
+            if request.cold_began is None:
+                request.cold_began = request.cold_since
+        if request.holding:
+            return
+        request.holding = True
+        count = self._held[cluster] = self.held(cluster) + 1
+        if self.meter is not None:
+            # Held or in flight, never both: the autoscaler adds the two up as demand.
+            if request.in_flight:
+                self.meter.done(cluster)
+                request.in_flight = False
+            self.meter.hold_began(cluster)
+        if self._holds is not None:
+            self._holds.held(cluster, count)
+            if not self.router.routes(cluster):
+                self._holds.held_at_zero(cluster)
+
+    def _unhold(self, request: _Request) -> None:
+        self._end_cold(request)
+        if not request.holding:
+            return
+        request.holding = False
+        cluster = request.cluster
+        count = self.held(cluster) - 1
+        if count:
+            self._held[cluster] = count
+        else:
+            del self._held[cluster]
+        if self.meter is not None:
+            self.meter.hold_ended(cluster)
+        if self._holds is not None:
+            self._holds.held(cluster, count)
+
+    def _end_cold(self, request: _Request) -> None:
+        if request.cold_since is not None:
+            request.start += self._clock.monotonic() - request.cold_since
+            request.cold_since = None
+
+    def _retry_after(self) -> float:
+        return self._rng.uniform(RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S)
 
     def _no_ready_replica(self, cluster: str, arrival: float) -> NoReadyReplica:
-        return NoReadyReplica(
-            cluster,
-            self._clock.monotonic() - arrival,
-            self._rng.uniform(RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S),
-        )
+        return NoReadyReplica(cluster, self._clock.monotonic() - arrival, self._retry_after())

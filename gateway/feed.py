@@ -136,10 +136,13 @@ class RoutingFeed:
 
     def _install(self, update: RoutingUpdate) -> None:
         if self._router.apply(update):
+            # Wakes the held requests too: a cold start ends with a route, or with the
+            # cluster's cold_start gone (back to the queue timeout).
             self._dispatcher.notify()
-            self._log.info(
-                "routing_updated",
-                position=update.position,
-                routes={c: len(r) for c, r in sorted(update.routes.items())},
-            )
+            fields: dict[str, object] = {
+                "routes": {c: len(r) for c, r in sorted(update.routes.items())}
+            }
+            if update.cold_start:
+                fields["cold_start"] = dict(sorted(update.cold_start.items()))
+            self._log.info("routing_updated", position=update.position, **fields)
         self.ready.set()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from .metrics import DEFAULT_BUCKETS, Children
@@ -12,6 +12,11 @@ from .router import Router
 
 # Seconds. LLM answers run from milliseconds (embeddings) to minutes (long generations).
 LATENCY_BUCKETS = DEFAULT_BUCKETS
+# Seconds. A cold start is a replica placed, its model loaded and its readiness probe passed:
+# seconds for a small model on a warm node, many minutes for a large one pulled first.
+COLD_START_BUCKETS: tuple[float, ...] = (
+    0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0, 1200.0,
+)  # fmt: skip
 
 _IN_FLIGHT = "gpumesh_gateway_in_flight_requests"
 _EJECTED = "gpumesh_gateway_replica_ejected"
@@ -79,6 +84,25 @@ class Instruments:
                 registry=registry,
             )
         )
+        self._held = Children(
+            Gauge(
+                "gpumesh_gateway_held_requests",
+                "Requests waiting for a replica of the cluster (none ready: a cold start from "
+                "zero replicas, or a replacement).",
+                ("cluster",),
+                registry=registry,
+            )
+        )
+        self._cold_start = Children(
+            Histogram(
+                "gpumesh_gateway_cold_start_seconds",
+                "For a request held while its cluster started from zero replicas: from the "
+                "start of its hold until the replica's first byte.",
+                ("cluster",),
+                buckets=COLD_START_BUCKETS,
+                registry=registry,
+            )
+        )
         # Statuses as label text, made once: str(int) per request is measurable here.
         self._status_text: dict[int, str] = {}
         registry.register(_ReplicaCollector(router))
@@ -104,6 +128,12 @@ class Instruments:
 
     def rate_limited(self, tenant: str) -> None:
         self._rate_limited(tenant).inc()
+
+    def held(self, cluster: str, count: int) -> None:
+        self._held(cluster).set(count)
+
+    def cold_start(self, cluster: str, seconds: float) -> None:
+        self._cold_start(cluster).observe(seconds)
 
 
 class _ReplicaCollector:

@@ -374,10 +374,8 @@ class Proxy:
                 }
             )
 
-    def _finish(self, route: RouteEntry, outcome: Outcome) -> None:
-        ejection = self.router.finished(route, outcome)
-        if ejection is not None:
-            self.dispatcher.on_ejection(ejection)
+    def _finish(self, request: _Exchange, route: RouteEntry, outcome: Outcome) -> None:
+        self.dispatcher.finished(request.cluster, route, outcome)
 
     async def _open(self, route: RouteEntry, upstream: UpstreamRequest) -> _Answer:
         response = await self.transport.open(route, upstream)
@@ -432,7 +430,7 @@ class Proxy:
         if not answer.complete:
             await self._stream(request, route, answer, headers)
             return
-        self._finish(route, "ok")
+        self._finish(request, route, "ok")
         buffered = answer.buffered
         body = buffered[0] if len(buffered) == 1 else b"".join(buffered)
         request.sink.send(upstream.status, headers, body)
@@ -472,7 +470,7 @@ class Proxy:
             if not await self._ended_by_cut(request, answer):
                 raise
         finally:
-            self._finish(route, outcome)
+            self._finish(request, route, outcome)
             await answer.response.aclose()
         await sink.end()
 

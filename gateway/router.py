@@ -101,6 +101,7 @@ class Router:
         self._routes: dict[str, tuple[RouteEntry, ...]] = {}
         self._known: frozenset[str] = frozenset()
         self._models: dict[str, str] = {}
+        self._cold_start: dict[str, float] = {}
         self._stats: dict[StatsKey, ReplicaStats] = {}
         self._cluster_of: dict[StatsKey, str] = {}
         self._current: dict[str, StatsKey] = {}  # replica_id -> its routed (replica_id, epoch)
@@ -120,7 +121,13 @@ class Router:
         routes = _normalise(dict(update.routes))
         known = frozenset(update.clusters) | frozenset(routes)
         models = {m: c for m, c in update.models.items() if c in known}
-        if routes == self._routes and known == self._known and models == self._models:
+        cold_start = {c: s for c, s in update.cold_start.items() if c in known}
+        if (
+            routes == self._routes
+            and known == self._known
+            and models == self._models
+            and cold_start == self._cold_start
+        ):
             return False  # the controller's periodic re-send
         for cluster in set(self._rings):
             old_ids = [e.replica_id for e in self._routes.get(cluster, ())]
@@ -138,6 +145,7 @@ class Router:
                 cluster_of[key] = cluster
                 current[entry.replica_id] = key
         self._routes, self._known, self._models = routes, known, models
+        self._cold_start = cold_start
         self._stats, self._cluster_of, self._current = stats, cluster_of, current
         self._changed += 1
         return True
@@ -148,6 +156,11 @@ class Router:
     def resolve(self, model: str) -> str:
         """The cluster serving `model`: a spec's `model` name, else the cluster's own name."""
         return self._models.get(model, model)
+
+    def cold_start(self, cluster: str) -> float | None:
+        """How long a request may be held while `cluster` starts from zero replicas (seconds),
+        or None: it does not scale from zero, and a request waits the usual queue timeout."""
+        return self._cold_start.get(cluster)
 
     def clusters(self) -> list[str]:
         return sorted(self._known)

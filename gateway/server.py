@@ -1,4 +1,5 @@
-"""A running gateway: the routing feed, the HTTP server and the suspicion publisher, owned together.
+"""A running gateway: the routing feed, the HTTP server, and the suspicion and load publishers,
+owned together.
 
 `Gateway.run()` owns every task in one TaskGroup; cancelling it (SIGTERM in `gpumesh gateway`)
 stops accepting connections, gives in-flight requests `shutdown_grace_s` to finish, then closes
@@ -24,11 +25,13 @@ from runtime.env import Bus, BusError, Clock, RandomSource
 from .access_log import AccessLog
 from .app import build_app
 from .auth import KeyRing
-from .dispatch import Dispatcher
+from .dispatch import MAX_HELD, Dispatcher
 from .feed import RoutingFeed
 from .front import Front
 from .http_protocol import GatewayRunner
 from .instruments import Instruments
+from .load import LoadMeter
+from .load_publisher import LoadPublisher
 from .metrics import new_registry
 from .proxy import Affinity, Proxy, ProxySettings
 from .retry import RetryPolicy
@@ -51,6 +54,8 @@ class GatewayConfig:
     transport: TransportName = "direct"
     max_body_bytes: int = 16 * 1024 * 1024
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # Requests held per cluster while it starts from zero replicas (`--max-held`).
+    max_held: int = MAX_HELD
     router: RouterConfig = field(default_factory=RouterConfig)
     affinity: Affinity = "off"
     access_log: bool = True
@@ -88,11 +93,22 @@ class Gateway:
         self.keys = keys
         self.log = (log or structlog.get_logger("gpumesh.gateway")).bind(gateway=config.gateway_id)
         self.router = Router(clock, rng, replace(config.router, affinity=config.affinity))
-        self.dispatcher = Dispatcher(
-            self.router, config.retry, clock, rng, on_ejection=self._on_ejection
-        )
         self.registry = new_registry()
         self.instruments = Instruments(self.registry, self.router)
+        self.meter = LoadMeter(clock)
+        self.load = LoadPublisher(
+            bus, self.meter, clock, self.instruments, config.gateway_id, self.log
+        )
+        self.dispatcher = Dispatcher(
+            self.router,
+            config.retry,
+            clock,
+            rng,
+            on_ejection=self._on_ejection,
+            meter=self.meter,
+            holds=self.load,
+            max_held=config.max_held,
+        )
         self.transport = self._transport()
         self.proxy = Proxy(
             self.router,
@@ -201,6 +217,7 @@ class Gateway:
                 self.log.info("gateway_listening", url=self.url, transport=self.transport.name)
                 self.started.set()
                 tasks.create_task(self._publish_suspicions(), name="suspicions")
+                tasks.create_task(self.load.run(), name="load")
         finally:
             # Stop listening and wait for in-flight requests; when the grace ends, cut what is
             # still running ourselves: aiohttp's own cut comes only after twice its timeout, and

@@ -16,7 +16,14 @@ import pytest
 
 import gateway.dispatch
 import gateway.proxy
-from gateway.dispatch import AttemptsExhausted, DispatchError, NoReadyReplica, UnknownCluster
+from gateway.dispatch import (
+    AttemptsExhausted,
+    ColdStartTimeout,
+    DispatchError,
+    HoldFull,
+    NoReadyReplica,
+    UnknownCluster,
+)
 from gateway.proxy import AnswerTimeout, NotReady, TooLarge, refuse
 from gateway.reply import FlowControlled, Headers
 from gateway.transport.base import (
@@ -113,6 +120,19 @@ CASES: list[tuple[DispatchError, int, str, str]] = [
         "cluster 'llama' has no ready replica",
     ),
     (
+        ColdStartTimeout("llama", limit_s=120.0, retry_after_s=2.0),
+        503,
+        "cold_start_timeout",
+        "no replica of cluster 'llama' became ready within 120 s (autoscale.cold_start_timeout_s)",
+    ),
+    (
+        HoldFull("llama", max_held=256, retry_after_s=2.0),
+        503,
+        "hold_full",
+        "cluster 'llama' is starting from zero replicas and already holds 256 requests "
+        "(gateway --max-held)",
+    ),
+    (
         exhausted(ConnectFailed("llama-0", "refused")),
         502,
         "connect_error",
@@ -198,6 +218,8 @@ def test_every_kind_of_refusal_is_checked_here() -> None:
         (NoReadyReplica("llama", 10.0, 1.0), "1"),
         (NoReadyReplica("llama", 10.0, 3.2), "4"),  # whole seconds, rounded up
         (NoReadyReplica("llama", 10.0, 0.1), "1"),  # never 0: that would invite a tight loop
+        (ColdStartTimeout("llama", 120.0, 4.5), "5"),
+        (HoldFull("llama", 256, 1.2), "2"),
         (UnknownCluster("mistral"), None),
         (exhausted(ConnectFailed("llama-0", "refused")), None),
     ],
@@ -238,6 +260,14 @@ def test_the_fields_are_kept_not_only_formatted() -> None:
         True,
     )
     assert UnknownCluster("mistral").cluster == "mistral"
+    cold = ColdStartTimeout("llama", 120.0, 3.0)
+    assert (cold.cluster, cold.limit_s, cold.retry_after_s) == ("llama", 120.0, 3.0)
+    assert str(cold) == "cluster llama: no replica ready after a 120 s cold start"
+    full = HoldFull("llama", 256, 3.0)
+    assert (full.cluster, full.max_held, full.retry_after_s) == ("llama", 256, 3.0)
+    assert str(full) == "cluster llama: 256 requests held for a cold start already"
+    # Both are a NoReadyReplica to a caller that handles that one (the simulator's requests).
+    assert isinstance(cold, NoReadyReplica) and isinstance(full, NoReadyReplica)
     assert AnswerTimeout(12.5).limit_s == 12.5
     assert AnswerTimeout(1.0).outcome == "first_byte_timeout"  # counted against its replica
     assert TooLarge("x").outcome == "cancelled"  # no replica's fault

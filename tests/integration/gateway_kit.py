@@ -59,6 +59,7 @@ class RoutingSource:
         routes: dict[str, list[RouteEntry]],
         *clusters: str,
         models: dict[str, str] | None = None,
+        cold_start: dict[str, float] | None = None,
     ) -> None:
         names = tuple(sorted({*routes, *clusters}))
         self.update = RoutingUpdate(
@@ -66,6 +67,7 @@ class RoutingSource:
             routes={c: tuple(r) for c, r in routes.items() if r},
             clusters=names,
             models=models or {},
+            cold_start=cold_start or {},
         )
         await self.bus.publish(subjects.ROUTING, msgspec.json.encode(self.update))
 
