@@ -73,10 +73,10 @@ def validate(spec: ClusterSpec) -> None:
         _validate_sharding(spec.sharding)
     _validate_probes(spec.probes)
     if spec.autoscale is not None:
-        _validate_autoscale(spec.autoscale)
+        validate_autoscale(spec.autoscale)
 
 
-def _validate_autoscale(a: AutoscaleSpec) -> None:
+def validate_autoscale(a: AutoscaleSpec) -> None:
     """The `[autoscale]` section: bounds that cannot hold, or windows that are not times."""
     if not 0 <= a.min_replicas <= 1000:
         raise SpecError(f"autoscale.min: must be 0..1000, got {a.min_replicas}")

@@ -33,9 +33,13 @@ class LoadMeter:
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._clusters: dict[str, _Counts] = {}
-        self._interval_began = clock.monotonic()
+        # Read at the first count or report, not here: a meter may be made before its loop
+        # runs (the simulator's world is), and the clock is the running loop's.
+        self._interval_began: float | None = None
 
     def _counts(self, cluster: str) -> _Counts:
+        if self._interval_began is None:
+            self._interval_began = self._clock.monotonic()
         counts = self._clusters.get(cluster)
         if counts is None:
             counts = self._clusters[cluster] = _Counts()
@@ -72,7 +76,8 @@ class LoadMeter:
         """The interval since the last report, which begins a new one. Clusters with nothing in
         flight, held or arrived are left out (and forgotten)."""
         now = self._clock.monotonic()
-        interval = max(now - self._interval_began, 1e-9)
+        began = now - 1.0 if self._interval_began is None else self._interval_began
+        interval = max(now - began, 1e-9)
         self._interval_began = now
         clusters: dict[str, ClusterLoad] = {}
         for name in sorted(self._clusters):

@@ -15,7 +15,7 @@ from typing import Any
 from events import ClusterSpec, GpuRequirement
 from runtime.env import RandomSource
 
-from .scenario import ClusterPlan
+from .scenario import ClusterPlan, TrafficShape
 
 TRAFFIC_AFTER_S = 1.0  # clients come once the deploy was announced
 
@@ -30,7 +30,33 @@ def cluster_spec(plan: ClusterPlan, command: str) -> ClusterSpec:
         gpu=GpuRequirement(
             models=(plan.gpu_model,) if plan.gpu_model else (), count=plan.gpu_count
         ),
+        autoscale=plan.autoscale,
     )
+
+
+async def shaped_traffic(
+    rng: RandomSource,
+    shape: TrafficShape,
+    now: Callable[[], float],
+    request: Callable[[], Coroutine[Any, Any, None]],
+) -> None:
+    """Like `poisson_traffic`, at the rate `shape` gives for each instant (`now()`: seconds
+    since the run began): arrivals are drawn at the shape's peak and each kept with the
+    probability rate/peak (thinning), so the draws, and so the instants, depend on the seed
+    alone. A steady shape is `poisson_traffic` itself: the runs of scenarios written before
+    shapes stay what they were, seed for seed."""
+    if shape.kind == "steady":
+        await poisson_traffic(rng, shape.rate_per_s, request)
+        return
+    peak = shape.peak()
+    if peak <= 0:
+        return
+    async with asyncio.TaskGroup() as requests:
+        while True:
+            gap = -math.log(1.0 - rng.random()) / peak
+            await asyncio.sleep(gap)
+            if rng.random() * peak < shape.rate(now()):
+                requests.create_task(request())
 
 
 async def poisson_traffic(

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import projections
 from actors.scheduler import RELEASED, eligible_gpus
 from events import (
+    ClusterScaled,
     Envelope,
     NodeHealthChanged,
     ReplicaPlaced,
@@ -42,6 +43,9 @@ MUST_DETECT = frozenset(
 DETECTION_WINDOW_S = 5.0
 ROUTE_GRACE_S = 1.0  # a gateway's table may lag the controller by one publish: allow this much
 LIVENESS_S = 120.0  # after the faults stop, every cluster is whole again within this
+# An autoscaler's decision is stamped when its event is recorded, a little after it was made:
+# two decisions a window apart may be recorded this much closer together.
+AUTOSCALE_SLACK_S = 0.25
 
 
 class Struck(Protocol):
@@ -83,6 +87,7 @@ class Checker:
         self._versions: dict[str, int] = {}
         self._superseded: dict[tuple[str, int], float] = {}  # (replica, epoch) -> when
         self._offline_since: dict[str, float] = {}
+        self._autoscaled: dict[str, tuple[float, bool]] = {}  # cluster -> (when, went up)
         self._gateway_cut_since: float | None = None  # its table is stale from then
         self._gateway_back_at = -math.inf
         self._pending: list[_Pending] = []
@@ -141,6 +146,8 @@ class Checker:
             # a node that lost power while it was down, and is back before the grace ends,
             # is rightly never declared offline (hypothesis found it: tests/sim/test_stateful).
             self._blind(at, at + payload.grace_s)
+        elif isinstance(payload, ClusterScaled) and payload.cause.startswith("autoscale"):
+            self._check_autoscale(at, payload)
         elif isinstance(payload, ReplicaReady):
             for pending in self._pending:
                 old = pending.replicas.get(payload.replica_id)
@@ -148,6 +155,44 @@ class Checker:
                     del pending.replicas[payload.replica_id]
                     self.timings.replacement[pending.kind].append(at - pending.at)
         projections.apply(self.state, envelope)
+
+    def _check_autoscale(self, at: float, scaled: ClusterScaled) -> None:
+        """The autoscaler never goes outside its cluster's bounds, and never reverses a
+        decision within that direction's window (docs/autoscaling.md), except for a cold
+        start (from zero replicas: requests wait) and for bringing a count made by hand back
+        within the bounds."""
+        view = self.state.clusters.clusters.get(scaled.name)
+        policy = view.spec.autoscale if view is not None else None
+        if policy is None:
+            self._violate(at, "autoscale_bounds", f"{scaled.name}: autoscaled with no policy")
+            return
+        lo, hi = policy.min_replicas, policy.max_replicas
+        if not lo <= scaled.replicas <= hi:
+            self._violate(
+                at,
+                "autoscale_bounds",
+                f"{scaled.name}: {scaled.previous} -> {scaled.replicas} outside {lo}..{hi}",
+            )
+        self.world.note(
+            f"{scaled.name}: autoscaled {scaled.previous} -> {scaled.replicas} "
+            f"({scaled.cause.removeprefix('autoscale: ')})"
+        )
+        up = scaled.replicas > scaled.previous
+        before = self._autoscaled.get(scaled.name)
+        self._autoscaled[scaled.name] = (at, up)
+        if before is None or not lo <= scaled.previous <= hi:
+            return
+        then, was_up = before
+        window = policy.down_window_s if was_up else policy.up_window_s
+        cold_start = up and scaled.previous == 0
+        if was_up != up and not cold_start and at - then < window - AUTOSCALE_SLACK_S:
+            self._violate(
+                at,
+                "autoscale_no_flapping",
+                f"{scaled.name}: {'up' if was_up else 'down'} at {then:.3f}, then "
+                f"{scaled.previous} -> {scaled.replicas} after {at - then:.1f} s "
+                f"(window {window:g} s)",
+            )
 
     def _check_placement(self, at: float, placed: ReplicaPlaced) -> None:
         state = self.state

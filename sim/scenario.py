@@ -16,8 +16,17 @@
     replicas = 3
     at_s = 0                    # when it is deployed (default: at the start)
 
+    [clusters.autoscale]        # optional: the spec's [autoscale] section (docs/autoscaling.md)
+    min = 1
+    max = 6
+
     [traffic]
     rate_per_s = 5              # client requests per second, per cluster (0: none)
+    shape = "steady"            # or "ramp", "spike", "diurnal" (TrafficShape)
+    peak_per_s = 40             # ramp: the rate reached; spike: the rate during; diurnal: the peak
+    at_s = 120                  # ramp, spike: when it begins (run time)
+    for_s = 60                  # ramp: how long it climbs; spike: how long it lasts
+    period_s = 600              # diurnal: one "day"
 
     [[faults]]
     at_s = 60
@@ -31,10 +40,16 @@ explores different victims per seed, and a seed always picks the same ones.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
+
+import msgspec
+
+from actors.spec import SpecError, validate_autoscale
+from events import AutoscaleSpec
 
 FaultKind = Literal[
     "power_loss",  # the agent and its workloads vanish; back after duration_s (if given)
@@ -90,6 +105,41 @@ class ClusterPlan:
     gpu_model: str = ""
     gpu_count: int = 1
     at_s: float = 0.0  # when it is created (a deploy in the middle of the run)
+    autoscale: AutoscaleSpec | None = None
+
+
+TrafficKind = Literal["steady", "ramp", "spike", "diurnal"]
+TRAFFIC_KINDS: tuple[str, ...] = get_args(TrafficKind)
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficShape:
+    """Requests per second per cluster as a function of the run's time, so that scenarios
+    drive the autoscaler: a ramp, a spike, a day's swell and ebb."""
+
+    kind: TrafficKind = "steady"
+    rate_per_s: float = 0.0  # the base rate (steady: the only one)
+    peak_per_s: float = 0.0
+    at_s: float = 0.0
+    for_s: float = 60.0
+    period_s: float = 600.0
+
+    def rate(self, t: float) -> float:
+        base, peak = self.rate_per_s, self.peak_per_s
+        if self.kind == "ramp":
+            if t <= self.at_s:
+                return base
+            return base + (peak - base) * min(1.0, (t - self.at_s) / self.for_s)
+        if self.kind == "spike":
+            return peak if self.at_s <= t < self.at_s + self.for_s else base
+        if self.kind == "diurnal":
+            # Trough at 0 and at each period's end, peak at its middle.
+            swell = (1.0 - math.cos(2.0 * math.pi * t / self.period_s)) / 2.0
+            return base + (peak - base) * swell
+        return base
+
+    def peak(self) -> float:
+        return self.rate_per_s if self.kind == "steady" else max(self.rate_per_s, self.peak_per_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,8 +164,16 @@ class Scenario:
     clusters: tuple[ClusterPlan, ...] = ()
     rate_per_s: float = 0.0
     faults: tuple[FaultPlan, ...] = ()
+    traffic: TrafficShape = field(default_factory=TrafficShape)  # rate_per_s's shape
     buggify: bool = False  # turn on a seed-chosen share of the code's fault-injection sites
     controllers: int = 1  # more than 1: standbys under the leader lease (sim/controllers.py)
+
+    def traffic_shape(self) -> TrafficShape:
+        """The shape clients send at: a scenario made in code with only `rate_per_s` is
+        steady at that rate."""
+        if self.traffic.kind == "steady":
+            return TrafficShape(rate_per_s=self.rate_per_s)
+        return self.traffic
 
     def with_faults(self, faults: tuple[FaultPlan, ...]) -> Scenario:
         from dataclasses import replace
@@ -149,7 +207,7 @@ def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scen
     clusters = []
     for i, c in enumerate(_tables(raw, "clusters")):
         where = f"clusters[{i}]."
-        _only(c, where, {"name", "replicas", "gpu_model", "gpu_count", "at_s"})
+        _only(c, where, {"name", "replicas", "gpu_model", "gpu_count", "at_s", "autoscale"})
         name = _str(c, where + "name", "name", "")
         if not name:
             raise ScenarioError(f"{where}name: required")
@@ -160,13 +218,28 @@ def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scen
                 gpu_model=_str(c, where + "gpu_model", "gpu_model", ""),
                 gpu_count=_int(c, where + "gpu_count", "gpu_count", 1, low=1, high=16),
                 at_s=_float(c, where + "at_s", "at_s", 0.0, low=0.0),
+                autoscale=_autoscale(c, where),
             )
         )
     names = [c.name for c in clusters]
     if len(set(names)) != len(names):
         raise ScenarioError("clusters: two clusters share a name")
     traffic = _table(raw, "traffic")
-    _only(traffic, "traffic.", {"rate_per_s"})
+    _only(traffic, "traffic.", {"rate_per_s", "shape", "peak_per_s", "at_s", "for_s", "period_s"})
+    rate = _float(traffic, "traffic.rate_per_s", "rate_per_s", 0.0, low=0.0)
+    kind = traffic.get("shape", "steady")
+    if kind not in TRAFFIC_KINDS:
+        raise ScenarioError(
+            f"traffic.shape: must be one of {', '.join(TRAFFIC_KINDS)}, got {kind!r}"
+        )
+    shape = TrafficShape(
+        kind=kind,
+        rate_per_s=rate,
+        peak_per_s=_float(traffic, "traffic.peak_per_s", "peak_per_s", rate, low=0.0),
+        at_s=_float(traffic, "traffic.at_s", "at_s", 0.0, low=0.0),
+        for_s=_float(traffic, "traffic.for_s", "for_s", 60.0, low=0.001),
+        period_s=_float(traffic, "traffic.period_s", "period_s", 600.0, low=1.0),
+    )
     duration = _float(raw, "duration_s", "duration_s", 300.0, low=1.0)
     faults = tuple(
         _fault(f, f"faults[{i}].", duration) for i, f in enumerate(_tables(raw, "faults"))
@@ -178,11 +251,33 @@ def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scen
         settle_s=_float(raw, "settle_s", "settle_s", 120.0, low=0.0),
         fleet=fleet,
         clusters=tuple(clusters),
-        rate_per_s=_float(traffic, "traffic.rate_per_s", "rate_per_s", 0.0, low=0.0),
+        rate_per_s=shape.peak(),
+        traffic=shape,
         faults=tuple(sorted(faults, key=lambda f: f.at_s)),
         buggify=_bool(raw, "buggify", False),
         controllers=_int(raw, "controllers", "controllers", 1, low=1, high=5),
     )
+
+
+def _autoscale(raw: dict[str, Any], where: str) -> AutoscaleSpec | None:
+    """A cluster's `[clusters.autoscale]`, checked as `cluster create` checks the spec's."""
+    table = raw.get("autoscale")
+    if table is None:
+        return None
+    if not isinstance(table, dict):
+        raise ScenarioError(f"{where}autoscale: must be a table")
+    _only(table, where + "autoscale.", _AUTOSCALE_KEYS)
+    try:
+        spec = msgspec.convert(table, AutoscaleSpec, strict=True)
+        validate_autoscale(spec)
+    except msgspec.ValidationError as exc:
+        raise ScenarioError(f"{where}autoscale: {exc}") from None
+    except SpecError as exc:
+        raise ScenarioError(f"{where}{exc}") from None
+    return spec
+
+
+_AUTOSCALE_KEYS = {f.encode_name for f in msgspec.structs.fields(AutoscaleSpec)}
 
 
 def _fault(raw: dict[str, Any], where: str, duration: float) -> FaultPlan:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import structlog
+from prometheus_client import CollectorRegistry
 
 from actors.controller import Controller, ControllerConfig
 from events import ClusterSpec, GpuRequirement, MemoryEventStore
@@ -25,6 +26,9 @@ from events.contract import subjects
 from events.contract.messages import ApiReply, Command, RouteEntry, ScaleRequest
 from gateway.dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
 from gateway.feed import RoutingFeed
+from gateway.instruments import Instruments
+from gateway.load import LoadMeter
+from gateway.load_publisher import LoadPublisher
 from gateway.retry import RetryPolicy
 from gateway.router import Router, RouterConfig
 from gateway.transport.base import ConnectFailed, FirstByteTimeout, UpstreamRequest
@@ -36,7 +40,7 @@ from runtime.command_queue import Delivery
 from runtime.env import Bus, Env, RandomSource
 
 from .buggify import Buggify
-from .clients import TRAFFIC_AFTER_S, cluster_spec, poisson_traffic
+from .clients import TRAFFIC_AFTER_S, cluster_spec, shaped_traffic
 from .clock import SimClock
 from .commands import MemoryCommandQueue
 from .controllers import Controllers
@@ -182,11 +186,17 @@ class World:
         self._tasks: asyncio.TaskGroup | None = None
         self._node_counter = 0
         self.router = Router(SimClock(), self.derive("router"), RouterConfig())
+        # The gateway's load, counted and reported as a real gateway does (autoscaling):
+        # created in running(), on its loop.
+        self.meter = LoadMeter(SimClock())
+        self.load: LoadPublisher | None = None
         self.dispatcher = Dispatcher(
             self.router,
             RetryPolicy(first_byte_timeout_s=5.0, deadline_s=15.0, queue_timeout_s=5.0),
             SimClock(),
             self.derive("dispatch"),
+            meter=self.meter,
+            holds=_Holds(self),
         )
         self.transport = SimTransport(self)
 
@@ -263,9 +273,18 @@ class World:
             feed = RoutingFeed(
                 self.network.endpoint("gateway"), self.router, self.dispatcher, self.log
             )
+            self.load = LoadPublisher(
+                self.network.endpoint("gateway"),
+                self.meter,
+                SimClock(),
+                Instruments(CollectorRegistry(), self.router),
+                "gateway",
+                self.log,
+            )
             own = [
                 tasks.create_task(feed.run(), name="gateway-feed"),
                 tasks.create_task(self.checker.run(), name="checker"),
+                tasks.create_task(self.load.run(), name="gateway-load"),
             ]
             try:
                 yield self
@@ -411,7 +430,7 @@ class World:
             log.sent += 1
             return self._request(cluster, log)
 
-        await poisson_traffic(rng, self.scenario.rate_per_s, request)
+        await shaped_traffic(rng, self.scenario.traffic_shape(), self.now, request)
 
     async def _request(self, cluster: str, log: RequestLog) -> None:
         request = UpstreamRequest(
@@ -432,7 +451,7 @@ class World:
             kind = type(exc).__name__
             log.failed[kind] = log.failed.get(kind, 0) + 1
             return
-        self.router.finished(route, "ok")
+        self.dispatcher.finished(cluster, route, "ok")
         log.ok += 1
 
     # -- driven step by step (tests/sim/test_stateful.py) ---------------------------------
@@ -482,6 +501,26 @@ class World:
             runner.end_all()
 
         return end
+
+
+class _Holds:
+    """The simulated gateway's hold observer: what a real gateway's LoadPublisher is told,
+    passed on once the world runs (its publisher is made on the running loop)."""
+
+    def __init__(self, world: World) -> None:
+        self._world = world
+
+    def held(self, cluster: str, count: int) -> None:
+        if self._world.load is not None:
+            self._world.load.held(cluster, count)
+
+    def held_at_zero(self, cluster: str) -> None:
+        if self._world.load is not None:
+            self._world.load.held_at_zero(cluster)
+
+    def cold_start(self, cluster: str, seconds: float) -> None:
+        if self._world.load is not None:
+            self._world.load.cold_start(cluster, seconds)
 
 
 async def _api(bus: Bus, verb: str, body: object) -> ApiReply:

@@ -29,7 +29,7 @@ import msgspec
 from events import Envelope
 from events.contract import subjects
 from events.contract.messages import ApiReply, EventsRequest
-from sim.clients import TRAFFIC_AFTER_S, cluster_spec, poisson_traffic
+from sim.clients import TRAFFIC_AFTER_S, cluster_spec, shaped_traffic
 from sim.env import SeededStreams
 from sim.invariants import Checker, Violation
 from sim.liveness import short_in
@@ -372,7 +372,7 @@ class ChaosRun:
             return self._request(cluster, log)
 
         rng = self.derive(f"traffic:{cluster}")
-        await poisson_traffic(rng, self.scenario.rate_per_s, request)
+        await shaped_traffic(rng, self.scenario.traffic_shape(), self.now, request)
 
     async def _request(self, cluster: str, log: RequestLog) -> None:
         sent = self.now()
