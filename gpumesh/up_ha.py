@@ -402,6 +402,10 @@ class HaStack:
             config_file=layout.server_config if secure else None,
             credentials=self.admin,
             routes=routes.route_security(layout) if secure else None,
+            # Every process here is given every server (its relays, for a controller): a
+            # server advertising the others would let a controller dial one directly, past
+            # the relays a `controller_partition` cuts.
+            advertise=False,
         )
         self.nats = [
             NatsMember(server, member.server_name, member.route_port)

@@ -334,11 +334,15 @@ class NatsBus:
 
     @property
     def cluster_size(self) -> int:
-        """How many servers the connected server says its cluster has (1 when it is alone)."""
+        """How many servers the cluster has, as far as this connection can tell: the servers
+        the connected one advertises, or the servers this client was given where that is more
+        (a cluster that does not advertise, as `up --ha`'s: ClusterMember.advertise). 1 when
+        the server is alone."""
         info = self._nc._server_info  # nats-py keeps the server's INFO, with no public getter
         if not info.get("cluster"):
             return 1
-        return max(1, len(info.get("connect_urls") or ()))
+        given = len([u for u in self.url.split(",") if u.strip()])
+        return max(1, len(info.get("connect_urls") or ()), given)
 
     @property
     def stream_replicas(self) -> int:

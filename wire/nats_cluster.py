@@ -79,6 +79,7 @@ def member_config(
         # nats-server presents the credentials of a route's URL when it dials it, not those
         # of its own authorization block.
         "routes": [peer.replace("nats://", f"nats-route://{auth}", 1) for peer in member.peers],
+        "no_advertise": not member.advertise,
         "tls": {
             "cert_file": str(routes.cert_file.resolve()),
             "key_file": str(routes.key_file.resolve()),
@@ -137,7 +138,10 @@ class NatsCluster:
         config_file: Path | None = None,
         credentials: Credentials | None = None,
         routes: RouteSecurity | None = None,
+        advertise: bool = True,
     ) -> None:
+        """`advertise`: False keeps the servers from telling clients of each other
+        (ClusterMember.advertise): every client must then be given the whole list."""
         if routes is not None and config_file is None:
             raise ValueError("secured routes need the clients' nats.conf (config_file) too")
         self.root = Path(root)
@@ -153,6 +157,7 @@ class NatsCluster:
                 cluster_name=name,
                 route_port=route_ports[i],
                 peers=tuple(r for j, r in enumerate(peers) if j != i),
+                advertise=advertise,
             )
             for i in range(size)
         ]

@@ -134,6 +134,11 @@ class ClusterMember:
     route_port: int
     peers: tuple[str, ...]
     host: str = LOOPBACK
+    # False: the server does not tell clients of the other members' URLs (INFO connect_urls),
+    # so a client dials only the servers it was given. `gpumesh up --ha` needs that: its
+    # controllers reach the servers only through relays it can cut (a partition), and nats-py
+    # would otherwise dial an advertised server directly, past the relay.
+    advertise: bool = True
 
     @property
     def route_url(self) -> str:
@@ -145,6 +150,7 @@ class ClusterMember:
             "--cluster_name", self.cluster_name,
             "--cluster", self.route_url,
             "--routes", ",".join(self.peers),
+            *([] if self.advertise else ["--no_advertise"]),
         ]  # fmt: skip
 
 

@@ -123,3 +123,30 @@ async def test_the_stack_serves_through_the_loss_of_a_nats_server(
     finally:
         left = await stack.close()
         assert left == [], f"processes survived the teardown: {left}"
+
+
+async def test_a_cluster_that_does_not_advertise_leaves_clients_to_their_own_list(
+    tmp_path: Path, nats_server_binary: Path
+) -> None:
+    """`up --ha`'s shape: a client learns of no server it was not given (so a controller behind
+    relays cannot dial past them), and still counts the cluster by its list for its streams."""
+    async with NatsCluster(tmp_path / "nats", binary=nats_server_binary, advertise=False) as c:
+        first = c.servers[0].url
+        alone = await NatsBus.connect(first, name="one-url")
+        listed = await NatsBus.connect(c.urls, name="listed")
+        try:
+            assert alone.client.discovered_servers == []
+            assert listed.client.discovered_servers == []
+            assert [s.netloc for s in alone.client.servers] == [first.split("://")[1]]
+            assert (listed.cluster_size, listed.stream_replicas) == (3, 3)
+        finally:
+            await alone.close()
+            await listed.close()
+    async with NatsCluster(tmp_path / "nats2", binary=nats_server_binary) as c:
+        told = await NatsBus.connect(c.servers[0].url, name="told")
+        try:
+            # The default advertises: the same single URL learns the other two.
+            assert len(told.client.discovered_servers) == 2
+            assert told.cluster_size == 3
+        finally:
+            await told.close()
