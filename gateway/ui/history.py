@@ -68,14 +68,14 @@ class MetricsHistory:
         clock: Clock,
         *,
         interval_s: float | None = None,
-        keep_s: float = KEEP_S,
+        keep_s: float | None = None,
     ) -> None:
         self._registry = registry
         self._clock = clock
-        # INTERVAL_S read now, not at import: a test may shorten it for a gateway it starts.
+        # The defaults read now, not at import: a test may shorten them for a gateway it starts.
         self.interval_s = interval_s or INTERVAL_S
-        interval_s = self.interval_s
-        self.samples: deque[Sample] = deque(maxlen=max(1, round(keep_s / interval_s)))
+        self.keep_s = keep_s or KEEP_S
+        self.samples: deque[Sample] = deque(maxlen=max(1, round(self.keep_s / self.interval_s)))
         self._last: tuple[float, _Totals] | None = None
         self._changed = asyncio.Event()
 
@@ -105,7 +105,7 @@ class MetricsHistory:
         return sample
 
     def snapshot(self) -> dict[str, object]:
-        return {"interval_s": self.interval_s, "samples": list(self.samples)}
+        return {"interval_s": self.interval_s, "keep_s": self.keep_s, "samples": list(self.samples)}
 
     async def follow(self, *, check_s: float = 1.0) -> AsyncIterator[Sample | None]:
         """Each new sample as it is taken; None every `check_s` of quiet, so that a stream can

@@ -370,7 +370,7 @@ class _Dashboard:
 
     def _metrics(self) -> dict[str, object]:
         if self.history is None:
-            return {"interval_s": 0, "samples": []}
+            return {"interval_s": 0, "keep_s": 0, "samples": []}
         return self.history.snapshot()
 
     async def metrics_stream(self, request: web.Request) -> web.StreamResponse:

@@ -143,7 +143,7 @@ async def test_without_a_registry_there_are_no_charts() -> None:
     await client.start_server()
     try:
         body = await (await client.get("/ui/data/metrics")).json()
-        assert body == {"interval_s": 0, "samples": []}
+        assert body == {"interval_s": 0, "keep_s": 0, "samples": []}
         text = await (await client.get("/ui/data/metrics/stream")).text()
         assert "event: snapshot" in text
     finally:

@@ -14,6 +14,7 @@ screenshots in docs/img are these pages; to take them again:
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,24 @@ async def ready_replicas(stack: Stack, name: str, count: int) -> list[dict[str, 
     return replicas
 
 
+async def traffic(url: str, stop: asyncio.Event, *, failures: bool = False) -> int:
+    """Chat requests to the echo cluster at a rate that swings (5 to 50 a second), until
+    `stop` (each answered 200 unless `failures` may happen); how many were sent."""
+    sent = 0
+    body = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"Authorization": f"Bearer {TENANT}"}
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            async with session.post(
+                f"{url}/v1/chat/completions", json=body, headers=headers
+            ) as resp:
+                assert failures or resp.status == 200, await resp.text()
+                await resp.read()
+            sent += 1
+            await asyncio.sleep(0.02 + 0.18 * (sent % 40) / 40)
+    return sent
+
+
 async def open_page(page: Page, url: str) -> None:
     await page.goto(url)
     await page.wait_for(READY)
@@ -69,8 +88,10 @@ async def open_page(page: Page, url: str) -> None:
 async def test_each_page_renders_its_rows_with_no_console_errors(
     tmp_path: Path, nats_server_binary: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The clusters page's charts: a sample every 0.3 s rather than 10 s, for the test.
+    # The clusters page's charts: a sample every 0.3 s over the last 6 s, rather than every
+    # 10 s over 15 minutes, for the test.
     monkeypatch.setattr(history, "INTERVAL_S", 0.3)
+    monkeypatch.setattr(history, "KEEP_S", 6.0)
     keys = KeyRing.from_mapping(
         {"admin_keys": [ADMIN], "tenants": {"t": {"keys": [TENANT], "rate_per_s": 0}}}
     )
@@ -80,6 +101,9 @@ async def test_each_page_renders_its_rows_with_no_console_errors(
         bus = await NatsBus.connect(stack.url, name="gw-dashboard", reconnect_wait=0.1)
         try:
             async with running_gateway(bus, keys=keys) as gateway, Chromium.launch() as browser:
+                # Traffic through the gateway from now until the clusters page has charted it.
+                stop = asyncio.Event()
+                sending = asyncio.create_task(traffic(gateway.url, stop))
                 page = await browser.new_page()
                 # Signed out: the fleet page sends the browser to the sign-in form, and back.
                 await page.goto(f"{gateway.url}/ui/fleet")
@@ -123,15 +147,6 @@ async def test_each_page_renders_its_rows_with_no_console_errors(
                 await page.screenshot(shots(tmp_path) / "dashboard-fleet.png")
                 assert page.problems == []
 
-                # Traffic through the gateway: the clusters page charts it.
-                async with aiohttp.ClientSession() as session:
-                    for _ in range(20):
-                        async with session.post(
-                            f"{gateway.url}/v1/chat/completions",
-                            json={"model": "echo", "messages": [{"role": "user", "content": "hi"}]},
-                            headers={"Authorization": f"Bearer {TENANT}"},
-                        ) as resp:
-                            assert resp.status == 200, await resp.text()
                 await open_page(page, f"{gateway.url}/ui/clusters")
                 charts = "document.querySelector('div.charts[data-cluster=echo]')"
                 await page.wait_for(f"Number({charts}.dataset.peak) > 0")
@@ -144,9 +159,11 @@ async def test_each_page_renders_its_rows_with_no_console_errors(
                     f"[...{charts}.querySelectorAll('path.series')].map(p => p.dataset.series)"
                 )
                 assert {"requests", "p50", "p99"} <= set(series), series
-                # New samples come over the stream: the charts grow with no reload.
+                # New samples come over the stream: the charts grow with no reload, up to the
+                # window's 20.
                 drawn = await page.evaluate(f"Number({charts}.dataset.samples)")
                 await page.wait_for(f"Number({charts}.dataset.samples) > {drawn}")
+                await page.wait_for(f"Number({charts}.dataset.samples) === 20", timeout=15)
                 clusters = await page.evaluate(
                     """[...document.querySelectorAll('section.cluster')].map((s) => ({
                         name: s.dataset.name,
@@ -163,6 +180,8 @@ async def test_each_page_renders_its_rows_with_no_console_errors(
                 assert "3 / 3 ready" in clusters[0]["head"] and "revision 1" in clusters[0]["head"]
                 await page.screenshot(shots(tmp_path) / "dashboard-clusters.png")
                 assert page.problems == []
+                stop.set()
+                assert await sending > 0
 
                 await open_page(page, f"{gateway.url}/ui/events")
                 types = await page.evaluate(
@@ -199,8 +218,10 @@ async def test_each_page_renders_its_rows_with_no_console_errors(
 
 
 async def test_the_fleet_and_incidents_pages_follow_a_node_going_offline_with_no_reload(
-    tmp_path: Path, nats_server_binary: Path
+    tmp_path: Path, nats_server_binary: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The requests under an incident come from the metrics history: samples every 0.3 s.
+    monkeypatch.setattr(history, "INTERVAL_S", 0.3)
     async with Stack(tmp_path / "stack", agents=2, nats_binary=nats_server_binary) as stack:
         bus = await NatsBus.connect(stack.url, name="gw-dashboard", reconnect_wait=0.1)
         try:
@@ -232,7 +253,11 @@ async def test_the_fleet_and_incidents_pages_follow_a_node_going_offline_with_no
                 beat = f"document.querySelector('tr[data-id={other}]').cells[8].textContent"
                 last_beat = await page.evaluate(beat)
 
-                # Its node dies: the page turns it offline, and the replica moves on.
+                # Its node dies, with clients sending: the page turns it offline, and the
+                # replica moves on.
+                stop = asyncio.Event()
+                sending = asyncio.create_task(traffic(gateway.url, stop, failures=True))
+                await asyncio.sleep(0.5)
                 await stack.kill_agent(victim)
                 await page.wait_for(f"{health}[{victim!r}] === 'offline'", timeout=15)
                 await page.wait_for(
@@ -272,6 +297,14 @@ async def test_the_fleet_and_incidents_pages_follow_a_node_going_offline_with_no
                     await incidents.evaluate("performance.getEntriesByType('navigation').length")
                     == 1
                 )
+                stop.set()
+                assert await sending > 0
+                # Under it, this gateway's requests to echo while it lasted.
+                assert await incidents.evaluate(
+                    "document.querySelector('section.incident svg').textContent"
+                    ".includes('requests')"
+                )
+                assert "request(s) failed" in drawn["head"], drawn["head"]
                 await incidents.screenshot(shots(tmp_path) / "dashboard-incidents.png")
                 assert incidents.problems == []
         finally:

@@ -36,8 +36,7 @@
   // -- charts: this gateway's last 15 minutes per cluster (gateway/ui/history.py), pushed
   // over /ui/data/metrics/stream as each 10 s sample is taken; drawn as inline SVG here.
   const SVG = "http://www.w3.org/2000/svg";
-  const WINDOW_NS = 15 * 60 * 1e9;
-  let metrics = { interval_s: 0, samples: [] };
+  let metrics = { interval_s: 0, keep_s: 0, samples: [] };
   let metricsState = "waiting";  // waiting | on | none (this gateway keeps no metrics)
 
   function svg(tag, attrs, text) {
@@ -60,6 +59,10 @@
   }
 
   // series: [{name, colour, points: [[t_ns, y or null]]}]; a null breaks the line.
+  function ago(seconds) {
+    return seconds >= 120 ? `-${+(seconds / 60).toFixed(1)} min` : `-${+seconds.toFixed(1)} s`;
+  }
+
   function lineChart({ title, unit, series, lo, hi }) {
     const W = 320, H = 130, L = 44, R = 8, T = 20, B = 20;
     const peak = Math.max(0, ...series.flatMap((s) => s.points.map((p) => p[1] ?? 0)));
@@ -73,7 +76,8 @@
       chart.append(svg("line", { x1: L, x2: W - R, y1: py(v), y2: py(v), class: "grid-line" }));
       chart.append(svg("text", { x: L - 4, y: +py(v) + 3, class: "tick", "text-anchor": "end" }, short(v) + unit));
     }
-    for (const [k, text] of [[0, "-15 min"], [1, "-10"], [2, "-5"], [3, "now"]]) {
+    const span = (hi - lo) / 1e9;
+    for (const [k, text] of [[0, ago(span)], [1, ago(span * 2 / 3)], [2, ago(span / 3)], [3, "now"]]) {
       chart.append(svg("text", { x: px(lo + k * (hi - lo) / 3), y: H - 5, class: "tick",
         "text-anchor": k === 0 ? "start" : k === 3 ? "end" : "middle" }, text));
     }
@@ -112,7 +116,7 @@
       }
       const name = box.dataset.cluster;
       const hi = samples[samples.length - 1].at_ns;
-      const lo = hi - WINDOW_NS;
+      const lo = hi - (metrics.keep_s || 900) * 1e9;
       const of = (i) => samples.map((s) => [s.at_ns, s.clusters[name] ? s.clusters[name][i] : (i < 3 ? 0 : null)]);
       const latency = samples.map((s) => s.clusters[name] ? s.clusters[name][4] : null);
       const ms = Math.max(0, ...latency.filter((v) => v !== null)) < 1;
@@ -142,7 +146,7 @@
     });
     source.addEventListener("sample", (message) => {
       metrics.samples.push(JSON.parse(message.data));
-      const keep = Math.round(900 / (metrics.interval_s || 10));
+      const keep = Math.round((metrics.keep_s || 900) / (metrics.interval_s || 10));
       if (metrics.samples.length > keep) metrics.samples.splice(0, metrics.samples.length - keep);
       drawCharts();
     });
