@@ -66,6 +66,16 @@ def test_gateways_and_integrators_cannot_pose_as_nodes_or_the_controller(role: s
         assert not any(subject_matches(p, subject) for p in allowed.publish), subject
 
 
+def test_a_gateway_may_report_its_load_and_nobody_else_but_the_controller() -> None:
+    gateway = permissions("gateway", "gw-1")
+    assert gateway is not None
+    assert any(subject_matches(p, subjects.LOAD) for p in gateway.publish)
+    for role in ("node", "integrator"):
+        allowed = permissions(role, "x")  # type: ignore[arg-type]
+        assert allowed is not None
+        assert not any(subject_matches(p, subjects.LOAD) for p in allowed.publish), role
+
+
 def test_an_integrator_may_only_read_from_the_control_api() -> None:
     allowed = permissions("integrator", "x")
     assert allowed is not None

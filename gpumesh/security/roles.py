@@ -42,6 +42,8 @@ def permissions(role: Role, name: str) -> Permissions | None:
             publish=(
                 subjects.TUNNEL_ALL,
                 subjects.SUSPECT,
+                # Its load, each second, for the leader's autoscaler (gateway/load_publisher.py).
+                subjects.LOAD,
                 # The gateway's admin REST (/api/v1, admin keys only) calls the control API.
                 subjects.API_ALL,
                 # The last routing table, when no controller answers (wire/routing_log.py).

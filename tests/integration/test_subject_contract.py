@@ -185,7 +185,8 @@ def test_field_tables_list_exactly_the_struct_fields() -> None:
         assert path in tables, f"no field table for {path}"
         body = tables[path]
         documented = re.findall(r"^\| `(\w+)` \|", body, re.M)
-        assert documented == [f.name for f in msgspec.structs.fields(cls)], path
+        # The names on the wire (a field may be renamed there: AutoscaleSpec's `min`).
+        assert documented == [f.encode_name for f in msgspec.structs.fields(cls)], path
         tag = cls.__struct_config__.tag
         if isinstance(tag, str):
             assert f'`"type": "{tag}"`' in body, path
