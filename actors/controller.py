@@ -20,6 +20,7 @@ import msgspec
 from events import ClusterSpec, stream_of
 from events.contract import subjects
 from events.contract.messages import (
+    CanarySplit,
     Command,
     GatewayLoad,
     Heartbeat,
@@ -523,6 +524,7 @@ class Controller:
                 dict(routing.routes),
                 tuple(sorted(routing.live_clusters)),
                 self._cold_start(),
+                self._splits(),
             )
             now = self.env.clock.monotonic()
             due = now - last_sent >= self.config.routing_refresh_interval
@@ -587,8 +589,18 @@ class Controller:
                     if view.spec.model and view.spec.model != name
                 },
                 cold_start=self._cold_start(),
+                splits=self._splits(),
             )
         )
+
+    def _splits(self) -> dict[str, CanarySplit]:
+        """Clusters with a canary running, and the share of their requests it takes."""
+        clusters = self.live.state.clusters.clusters
+        return {
+            name: CanarySplit(to=view.canary, weight=view.canary_weight)
+            for name, view in sorted(clusters.items())
+            if view.canary and view.canary in clusters
+        }
 
     def _cold_start(self) -> dict[str, float]:
         """Clusters that scale from zero, and how long a gateway holds a request for one."""

@@ -14,6 +14,8 @@ from .catalog import (
 from .cluster import (
     AutoscaleInputs as AutoscaleInputs,
     AutoscaleSpec as AutoscaleSpec,
+    ClusterCanaryEnded as ClusterCanaryEnded,
+    ClusterCanaryStarted as ClusterCanaryStarted,
     ClusterCreated as ClusterCreated,
     ClusterDeleted as ClusterDeleted,
     ClusterRolledOut as ClusterRolledOut,

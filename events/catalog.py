@@ -7,6 +7,8 @@ from typing import TypeAlias
 import msgspec
 
 from .cluster import (
+    ClusterCanaryEnded,
+    ClusterCanaryStarted,
     ClusterCreated,
     ClusterDeleted,
     ClusterRolledOut,
@@ -54,6 +56,8 @@ ClusterEvent: TypeAlias = (
     | ClusterDeleted
     | ClusterUnschedulable
     | ClusterRolledOut
+    | ClusterCanaryStarted
+    | ClusterCanaryEnded
 )
 ReplicaEvent: TypeAlias = (
     ReplicaPlaced
@@ -82,6 +86,8 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     ClusterDeleted,
     ClusterUnschedulable,
     ClusterRolledOut,
+    ClusterCanaryStarted,
+    ClusterCanaryEnded,
     ReplicaPlaced,
     ReplicaStarting,
     ReplicaReady,
@@ -109,6 +115,14 @@ _NODE_TYPES = (
 # the NodeActor, which owns `node/<id>` and its decisions, never races those appends.
 STREAM_KINDS = ("node", "heartbeat", "cluster", "replica", "controller", "leadership")
 _CLUSTER_SPEC_TYPES = (ClusterCreated, ClusterSpecChanged)
+_CLUSTER_NAMED_TYPES = (
+    ClusterScaled,
+    ClusterDeleted,
+    ClusterUnschedulable,
+    ClusterRolledOut,
+    ClusterCanaryStarted,
+    ClusterCanaryEnded,
+)
 
 
 def type_tag(event: DomainEvent) -> str:
@@ -126,7 +140,7 @@ def stream_of(event: DomainEvent) -> str:
         return f"node/{event.node_id}"
     if isinstance(event, _CLUSTER_SPEC_TYPES):
         return f"cluster/{event.spec.name}"
-    if isinstance(event, ClusterScaled | ClusterDeleted | ClusterUnschedulable | ClusterRolledOut):
+    if isinstance(event, _CLUSTER_NAMED_TYPES):
         return f"cluster/{event.name}"
     if isinstance(event, ControllerGrace):
         return f"controller/{event.controller_id}"

@@ -165,6 +165,30 @@ class ClusterScaled(
     inputs: AutoscaleInputs | None = None
 
 
+class ClusterCanaryStarted(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.canary_started.v1"
+):
+    """`cluster canary`: a new spec serves beside the cluster's own as the cluster `canary`
+    (created with it, in its own stream), and gateways send it `weight` percent of the
+    cluster's requests. Ends with `cluster.canary_ended.v1`."""
+
+    name: str
+    canary: str  # the canary's cluster: `<name>-canary`
+    weight: int  # percent of the cluster's requests, 1..99
+
+
+class ClusterCanaryEnded(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.canary_ended.v1"
+):
+    """The canary is over: `promoted` (its spec is recorded as the cluster's next revision,
+    which rolls out as `cluster apply` does) or `aborted`; its cluster is deleted either way."""
+
+    name: str
+    canary: str
+    outcome: str  # "promoted" or "aborted"
+    reason: str = ""
+
+
 class ClusterDeleted(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cluster.deleted.v1"
 ):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from events import (
+    ClusterCanaryEnded,
+    ClusterCanaryStarted,
     ClusterCreated,
     ClusterDeleted,
     ClusterRolledOut,
@@ -30,6 +32,8 @@ def apply(state: Clusters, envelope: Envelope) -> Clusters:
                 version=envelope.version,
                 revision=revision or previous + 1,
                 rolled_out=view.rolled_out if view is not None else 0,
+                canary=view.canary if view is not None else "",
+                canary_weight=view.canary_weight if view is not None else 0,
             )
         case ClusterRolledOut(name=name, revision=revision):
             view = state.clusters.get(name)
@@ -40,6 +44,16 @@ def apply(state: Clusters, envelope: Envelope) -> Clusters:
             view = state.clusters.get(scaled.name)
             if view is not None:
                 view.spec = msgspec.structs.replace(view.spec, replicas=scaled.replicas)
+                view.version = envelope.version
+        case ClusterCanaryStarted(name=name, canary=canary, weight=weight):
+            view = state.clusters.get(name)
+            if view is not None:
+                view.canary, view.canary_weight = canary, weight
+                view.version = envelope.version
+        case ClusterCanaryEnded(name=name):
+            view = state.clusters.get(name)
+            if view is not None:
+                view.canary, view.canary_weight = "", 0
                 view.version = envelope.version
         case ClusterDeleted() as deleted:
             state.clusters.pop(deleted.name, None)

@@ -49,6 +49,8 @@ class ClusterView(msgspec.Struct, kw_only=True):
     version: int = 0
     revision: int = 1  # the spec's revision (cluster.spec_changed.v1); creating it is 1
     rolled_out: int = 0  # the last revision every wanted replica ran, ready; 0: none yet
+    canary: str = ""  # the canary's cluster while one runs (cluster.canary_started.v1)
+    canary_weight: int = 0  # percent of the requests it takes
 
 
 class ReplicaView(msgspec.Struct, kw_only=True):

@@ -175,6 +175,13 @@ class RouteEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     epoch: int
 
 
+class CanarySplit(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A cluster's canary: `weight` percent of the cluster's requests go to the cluster `to`."""
+
+    to: str
+    weight: int
+
+
 class RoutingUpdate(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="routing.v1"
 ):
@@ -190,6 +197,10 @@ class RoutingUpdate(
     # Clusters that scale from zero (`[autoscale] min = 0`) -> how long a gateway holds a
     # request while a replica starts (their `cold_start_timeout_s`). Absent: the usual wait.
     cold_start: dict[str, float] = {}
+    # Clusters with a canary (`cluster canary`) -> where and how much of their traffic goes.
+    # A gateway sends that share to the canary's cluster while it has a ready replica, and the
+    # rest (all of it, when the canary has none) to the cluster. Absent: no split.
+    splits: dict[str, CanarySplit] = {}
 
 
 class ClusterLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -250,6 +261,22 @@ class RollbackRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=T
 
     name: str
     to: int = 0  # the revision to go back to; 0: the one before the current
+
+
+class CanaryRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """`cluster.canary`: serve `spec` (a ClusterSpec mapping, its name the cluster's) beside
+    the cluster's own, with `weight` percent of its requests (1..99)."""
+
+    name: str
+    spec: dict[str, Any]
+    weight: int = 10
+
+
+class CanaryEndRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """`cluster.promote` and `cluster.abort`: end the cluster's canary."""
+
+    name: str
+    reason: str = ""
 
 
 class DrainRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
