@@ -34,6 +34,7 @@ QUICK=(
     "crashloop.py --ha"
     "soak.py"
     "dashboard.py"
+    "coldstart.py"
 )
 
 failed=()
