@@ -78,6 +78,7 @@ class MetricsHistory:
         self.samples: deque[Sample] = deque(maxlen=max(1, round(self.keep_s / self.interval_s)))
         self._last: tuple[float, _Totals] | None = None
         self._changed = asyncio.Event()
+        self.closed = False
 
     async def run(self) -> None:
         """Sample every `interval_s` until cancelled (the app's cleanup cancels it)."""
@@ -104,6 +105,12 @@ class MetricsHistory:
         self._changed = asyncio.Event()
         return sample
 
+    def close(self) -> None:
+        """The gateway is shutting down: every follow() ends, so the pages' streams end
+        rather than hold the shutdown until its timeout."""
+        self.closed = True
+        self._changed.set()
+
     def snapshot(self) -> dict[str, object]:
         return {"interval_s": self.interval_s, "keep_s": self.keep_s, "samples": list(self.samples)}
 
@@ -111,7 +118,7 @@ class MetricsHistory:
         """Each new sample as it is taken; None every `check_s` of quiet, so that a stream can
         look at its client."""
         seen = self.samples[-1].at_ns if self.samples else 0
-        while True:
+        while not self.closed:
             # Looked at before each wait: a sample taken while the caller had the last one
             # set an event this loop had not yet picked up.
             fresh = [sample for sample in self.samples if sample.at_ns > seen]

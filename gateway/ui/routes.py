@@ -132,6 +132,11 @@ def ui_app(
     app = web.Application(middlewares=[ui.gate])
     if history is not None:
         app.cleanup_ctx.append(_sampling(history))
+
+        async def close_streams(app: web.Application) -> None:
+            history.close()
+
+        app.on_shutdown.append(close_streams)
     app.on_response_prepare.append(_security_headers)
     app.router.add_get("/", ui.index)
     for page, _ in PAGES:

@@ -102,6 +102,12 @@ async def test_follow_yields_each_new_sample() -> None:
         await asyncio.sleep(0.02)
     await asyncio.wait_for(task, 1)
     assert [s.at_ns for s in got] == [round(110e9), round(120e9)]
+    # Closed (the gateway shuts down): a follower ends at once, not at its next sample.
+    follower = history.follow(check_s=10)
+    pending = asyncio.ensure_future(anext(follower, "ended"))
+    await asyncio.sleep(0.01)
+    history.close()
+    assert await asyncio.wait_for(pending, 1) == "ended"
 
 
 async def test_the_gateway_app_samples_while_it_runs_and_streams_samples(
