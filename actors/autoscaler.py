@@ -136,7 +136,7 @@ class ScalingRule:
         if lo == 0 and idle_s >= policy.scale_to_zero_after_s:
             if now - self.since >= policy.down_window_s:
                 cause = f"no request for {idle_s:.0f} s (autoscale.scale_to_zero_after_s)"
-                return self._made(now, 0, current, cause, inputs)
+                return self._made(now, 0, current, cause, _windowed(inputs, 0, 0.0))
             return None
         if wanted > current:
             self.streak_down_since = None

@@ -163,6 +163,34 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     )
     rollback.add_argument("--json", action="store_true")
     rollback.set_defaults(handler=cluster_rollback)
+    canary = verbs.add_parser(
+        "canary",
+        parents=common,
+        help="serve a new spec beside a cluster's own, with a share of its requests",
+        description="Create the cluster NAME-canary with the spec (its replicas: the weight's "
+        "share of the cluster's, one at least) and have gateways send it WEIGHT percent of the "
+        "cluster's requests while it has a ready replica. `cluster promote` makes the spec the "
+        "cluster's next revision (rolled out as `cluster apply` does); `cluster abort` removes "
+        "the canary. Both delete NAME-canary.",
+    )
+    canary.add_argument("name")
+    canary.add_argument("-f", "--file", required=True, type=Path, help="the spec (TOML)")
+    canary.add_argument(
+        "--weight", type=int, default=10, help="percent of the requests, 1..99 (default 10)"
+    )
+    canary.add_argument("--json", action="store_true")
+    canary.set_defaults(handler=cluster_canary)
+    for verb, what in (
+        ("promote", "make the canary's spec the cluster's next revision, and end the canary"),
+        ("abort", "end the canary: its cluster is deleted, the cluster keeps its spec"),
+    ):
+        end = verbs.add_parser(
+            verb, parents=common, help=what, description=what[0].upper() + what[1:] + "."
+        )
+        end.add_argument("name")
+        end.add_argument("--reason", default="", help="recorded with the canary's end")
+        end.add_argument("--json", action="store_true")
+        end.set_defaults(handler=cluster_end_canary, verb=verb)
     listing = verbs.add_parser(
         "list",
         parents=common,
@@ -649,6 +677,23 @@ async def cluster_rollback(args: argparse.Namespace) -> int:
     if args.to < 0:
         raise CommandFailed(f"--to: must be a revision number (1 or more), got {args.to}")
     data = await call(args, "cluster.rollback", {"name": args.name, "to": args.to})
+    return _emit(args, data, f"{args.name}: {data['message']}")
+
+
+async def cluster_canary(args: argparse.Namespace) -> int:
+    if not 1 <= args.weight <= 99:
+        raise CommandFailed(f"--weight: must be 1..99 (percent of the requests), got {args.weight}")
+    spec = _read_spec(args.file)
+    body = {"name": args.name, "spec": msgspec.to_builtins(spec), "weight": args.weight}
+    data = await call(args, "cluster.canary", body)
+    canary = data["canary"]
+    return _emit(
+        args, data, f"{args.name}: canary {canary['cluster']} takes {canary['weight']}% of requests"
+    )
+
+
+async def cluster_end_canary(args: argparse.Namespace) -> int:
+    data = await call(args, f"cluster.{args.verb}", {"name": args.name, "reason": args.reason})
     return _emit(args, data, f"{args.name}: {data['message']}")
 
 

@@ -31,6 +31,8 @@ import msgspec
 
 from events import (
     AutoscaleInputs,
+    ClusterCanaryEnded,
+    ClusterCanaryStarted,
     ClusterCreated,
     ClusterDeleted,
     ClusterRolledOut,
@@ -70,6 +72,7 @@ class ClusterState(msgspec.Struct, kw_only=True):
     revision: int = 0  # the current spec's; 1 once created
     revisions: dict[int, ClusterSpec] = {}  # every revision's spec, as recorded
     rolled_out: int = 0  # the last revision that rolled out whole; 0: none yet
+    canary: str = ""  # the canary's cluster while one runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,25 @@ class Autoscale:
 
 
 @dataclass(frozen=True, slots=True)
+class StartCanary:
+    """Record that `canary` (a cluster already created with the new spec) takes `weight`
+    percent of this cluster's requests."""
+
+    canary: str
+    weight: int
+
+
+@dataclass(frozen=True, slots=True)
+class EndCanary:
+    """Record the canary's end. `promoted`: its spec (named as this cluster) becomes this
+    cluster's next revision, keeping this cluster's count, and rolls out as an apply does."""
+
+    outcome: str  # "promoted" or "aborted"
+    reason: str = ""
+    promoted: ClusterSpec | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Delete:
     pass
 
@@ -127,7 +149,9 @@ class Reconcile:
     pass
 
 
-ClusterMsg = Create | Apply | Rollback | Scale | Autoscale | Delete | Reconcile
+ClusterMsg = (
+    Create | Apply | Rollback | Scale | Autoscale | StartCanary | EndCanary | Delete | Reconcile
+)
 
 
 class Fleet(Protocol):
@@ -276,6 +300,10 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                 state.deleted = True
             case ClusterUnschedulable(reason=reason):
                 state.unschedulable = reason
+            case ClusterCanaryStarted(canary=canary):
+                state.canary = canary
+            case ClusterCanaryEnded():
+                state.canary = ""
             case _:
                 pass
         return state
@@ -312,8 +340,24 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                     "cluster_autoscaled", replicas=replicas, previous=previous, cause=cause
                 )
                 return True
+            case StartCanary(canary=canary, weight=weight):
+                self._require()
+                if self.state.canary:
+                    raise ClusterError(
+                        f"cluster {self.name!r} already has a canary ({self.state.canary}): "
+                        "promote or abort it first"
+                    )
+                started = ClusterCanaryStarted(name=self.name, canary=canary, weight=weight)
+                return await self._persist_and_wait(ctx, [started])
+            case EndCanary(outcome=outcome, reason=reason, promoted=promoted):
+                return await self._end_canary(ctx, outcome, reason, promoted)
             case Delete():
                 self._require()
+                if self.state.canary:
+                    raise ClusterError(
+                        f"cluster {self.name!r} has a canary ({self.state.canary}): "
+                        "promote or abort it before deleting the cluster"
+                    )
                 return await self._persist_and_wait(ctx, [ClusterDeleted(name=self.name)])
             case Reconcile():
                 return await self._reconcile(ctx)
@@ -335,6 +379,39 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         await self._persist_and_wait(ctx, [*self._rolled_out_now(), change])
         ctx.log.info("cluster_revised", revision=revision, change=describe_change(current, spec))
         return Revised(revision, True, f"recorded revision {revision}")
+
+    async def _end_canary(
+        self,
+        ctx: ActorContext[ClusterMsg],
+        outcome: str,
+        reason: str,
+        promoted: ClusterSpec | None,
+    ) -> Revised:
+        current = self._require()
+        canary = self.state.canary
+        if not canary:
+            raise ClusterError(f"cluster {self.name!r} has no canary to {outcome[:-2]}")
+        ended = ClusterCanaryEnded(name=self.name, canary=canary, outcome=outcome, reason=reason)
+        if promoted is None or template(promoted) == template(current):
+            await self._persist_and_wait(ctx, [ended])
+            revision = self.state.revision
+            return Revised(revision, False, f"canary {canary} {outcome}")
+        spec = msgspec.structs.replace(
+            promoted,
+            name=self.name,
+            model=current.model,
+            replicas=current.replicas,
+            autoscale=current.autoscale,
+            rollout=current.rollout,
+        )
+        revision = self.state.revision + 1
+        change = ClusterSpecChanged(
+            spec=spec, revision=revision, reason=f"promoted canary {canary}"
+        )
+        # One append: the revision and the canary's end land together or not at all.
+        await self._persist_and_wait(ctx, [*self._rolled_out_now(), change, ended])
+        ctx.log.info("canary_promoted", canary=canary, revision=revision)
+        return Revised(revision, True, f"canary {canary} promoted: revision {revision}")
 
     async def _rollback(self, ctx: ActorContext[ClusterMsg], to: int) -> Revised:
         current = self._require()

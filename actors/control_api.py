@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +13,8 @@ from events.catalog import HEARTBEAT_TYPE
 from events.contract import subjects
 from events.contract.messages import (
     ApiReply,
+    CanaryEndRequest,
+    CanaryRequest,
     CordonRequest,
     DrainRequest,
     EventsRequest,
@@ -20,6 +23,7 @@ from events.contract.messages import (
     ScaleRequest,
 )
 from events.errors import EventStoreError, StoreFull
+from events.ids import valid_id
 from projections import FleetState
 from projections.views import NodeView
 from runtime.env import Msg
@@ -29,9 +33,11 @@ from .cluster_actor import (
     ClusterError,
     Create,
     Delete,
+    EndCanary,
     Revised,
     Rollback,
     Scale,
+    StartCanary,
     describe_change,
 )
 from .node_actor import Cordon, Drain, NotRemovable, Remove, Uncordon, Undrain
@@ -58,6 +64,9 @@ class ControlApi:
             "cluster.delete": self._delete,
             "cluster.apply": self._apply,
             "cluster.history": self._history,
+            "cluster.canary": self._canary,
+            "cluster.promote": self._promote,
+            "cluster.abort": self._abort,
             "cluster.rollback": self._rollback,
             "cluster.plan": self._plan,
             "node.list": self._nodes,
@@ -104,6 +113,64 @@ class ControlApi:
         ref = await self.controller.cluster(spec.name)
         done = await ref.ask(Apply(spec), timeout=30.0, expect=Revised)
         return self._revised(spec.name, done)
+
+    async def _canary(self, body: bytes) -> Any:
+        """Create `<name>-canary` with the new spec, sized to its share of the cluster's
+        replicas (one at least), then record the split in the cluster's stream."""
+        req = msgspec.json.decode(body, type=CanaryRequest)
+        if not 1 <= req.weight <= 99:
+            raise SpecError(f"weight: must be 1..99 (percent of the requests), got {req.weight}")
+        self._known(req.name)
+        spec = from_mapping({**req.spec, "name": req.spec.get("name", req.name)})
+        if spec.name != req.name:
+            raise SpecError(f"spec.name: {spec.name!r} is not the cluster {req.name!r}")
+        view = self.state.clusters.clusters[req.name]
+        if view.canary:
+            raise ClusterError(
+                f"cluster {req.name!r} already has a canary ({view.canary}): "
+                "promote or abort it first"
+            )
+        canary = f"{req.name}-canary"
+        if not valid_id(canary):
+            raise SpecError(f"name: {req.name!r} is too long to name its canary {canary!r}")
+        if canary in self.state.clusters.clusters:
+            raise ClusterError(f"a cluster named {canary!r} exists already: delete it first")
+        replicas = max(1, math.ceil(view.spec.replicas * req.weight / 100))
+        # Its own model name (the canary's cluster name): clients reach it only by the split,
+        # or by naming it; no autoscaling of its own (its count follows the weight).
+        canary_spec = msgspec.structs.replace(
+            spec, name=canary, model="", replicas=replicas, autoscale=None
+        )
+        await (await self.controller.cluster(canary)).ask(Create(canary_spec), timeout=30.0)
+        ref = await self.controller.cluster(req.name)
+        try:
+            await ref.ask(StartCanary(canary, req.weight), timeout=30.0)
+        except BaseException:
+            # Not recorded: the canary's cluster must not outlive the refusal.
+            await (await self.controller.cluster(canary)).ask(Delete(), timeout=30.0)
+            raise
+        return self._cluster(req.name)
+
+    async def _promote(self, body: bytes) -> Any:
+        return await self._end_canary(body, "promoted")
+
+    async def _abort(self, body: bytes) -> Any:
+        return await self._end_canary(body, "aborted")
+
+    async def _end_canary(self, body: bytes, outcome: str) -> Any:
+        req = msgspec.json.decode(body, type=CanaryEndRequest)
+        self._known(req.name)
+        canary = self.state.clusters.clusters[req.name].canary
+        if not canary:
+            verb = "promote" if outcome == "promoted" else "abort"
+            raise ClusterError(f"cluster {req.name!r} has no canary to {verb}")
+        canary_view = self.state.clusters.clusters.get(canary)
+        promoted = canary_view.spec if outcome == "promoted" and canary_view else None
+        ref = await self.controller.cluster(req.name)
+        done = await ref.ask(EndCanary(outcome, req.reason, promoted), timeout=30.0, expect=Revised)
+        if canary in self.state.clusters.clusters:
+            await (await self.controller.cluster(canary)).ask(Delete(), timeout=30.0)
+        return self._revised(req.name, done)
 
     async def _rollback(self, body: bytes) -> Any:
         req = msgspec.json.decode(body, type=RollbackRequest)
@@ -298,6 +365,9 @@ class ControlApi:
             "revision": view.revision,
             "rolled_out": view.rolled_out,
             "unschedulable": view.unschedulable,
+            "canary": {"cluster": view.canary, "weight": view.canary_weight}
+            if view.canary
+            else None,
             "spec": msgspec.to_builtins(view.spec),
             "replicas": [
                 {

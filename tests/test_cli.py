@@ -375,3 +375,23 @@ def test_a_long_candidate_list_is_cut_with_a_pointer_to_json() -> None:
     (line,) = candidate_lines(many)
     assert line.count(": drained") == MAX_CANDIDATES_SHOWN
     assert line.endswith(f"; ... {20 - MAX_CANDIDATES_SHOWN} more (--json lists all recorded)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--weight", "0"], "--weight: must be 1..99 (percent of the requests), got 0"),
+        (["--weight", "100"], "--weight: must be 1..99 (percent of the requests), got 100"),
+    ],
+)
+def test_a_canary_weight_outside_its_range_is_one_line_before_any_connection(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    spec = tmp_path / "llama.toml"
+    spec.write_text('name = "llama"\ncommand = "serve {port}"\n')
+    code, out, err = run(
+        capsys,
+        "cluster", "canary", "llama", "-f", str(spec), *argv, "--nats", "nats://127.0.0.1:1",
+    )  # fmt: skip
+    assert code == 1 and out == ""
+    assert err.strip() == f"gpumesh: error: {expected}"

@@ -92,3 +92,12 @@ def test_first_byte_samples_are_bounded_per_interval() -> None:
         meter.first_byte("llama", 0.001)  # past the bound: not kept, memory stays bounded
     clock.now += 1.0
     assert meter.report("gw-1").clusters["llama"].ttft_p50_ms == 1000.0
+
+
+def test_a_report_moments_after_an_arrival_does_not_read_as_a_flood() -> None:
+    clock = ManualClock()
+    meter = LoadMeter(clock)
+    meter.arrived("llama")
+    meter.hold_began("llama")
+    clock.now += 0.000115  # the at-once report of a hold
+    assert meter.report("gw-1").clusters["llama"].requests_per_s == 1.0
