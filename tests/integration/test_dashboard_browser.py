@@ -213,6 +213,12 @@ async def test_each_page_renders_its_rows_with_no_console_errors(
                 await page.wait_for("location.search === ''")
                 await page.screenshot(shots(tmp_path) / "dashboard-events.png")
                 assert page.problems == []
+
+                # No node lost yet: no incident, and the page says so.
+                await open_page(page, f"{gateway.url}/ui/incidents")
+                assert await page.evaluate(SECTIONS) == []
+                assert await page.evaluate("!document.getElementById('none').hidden")
+                assert page.problems == []
         finally:
             await bus.close()
 
