@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from events import ClusterSpec, stream_of
+from events import ClusterCreated, ClusterSpec, ClusterSpecChanged, stream_name, stream_of
 from events.contract import subjects
 from events.contract.messages import (
     CanarySplit,
@@ -260,6 +260,23 @@ class Controller:
         except EventStoreError as exc:  # the grace holds whether or not it could be written
             self.log.warning("controller_grace_not_recorded", error=str(exc))
 
+    async def _revisions(self, cluster: str) -> dict[int, ClusterSpec]:
+        """Every revision's spec of `cluster`, from its stream (the live state keeps only the
+        current one). A count changed by a scale is not part of what a replica runs."""
+        specs: dict[int, ClusterSpec] = {}
+        revision = 0
+        for envelope in await self.env.store.read_stream(stream_name("cluster", cluster)):
+            match envelope.payload:
+                case ClusterCreated(spec=spec):
+                    revision = 1
+                    specs = {1: spec}
+                case ClusterSpecChanged(spec=spec, revision=number):
+                    revision = number or revision + 1
+                    specs[revision] = spec
+                case _:
+                    pass
+        return specs
+
     async def _on_bus_back(self) -> None:
         await self._begin_hearing("reconnected")
 
@@ -275,10 +292,19 @@ class Controller:
             await self.node(node_id)
         for name in sorted(state.clusters.clusters):
             await self.cluster(name)
+        revisions: dict[str, dict[int, ClusterSpec]] = {}  # cluster -> its specs, when needed
         for replica_id, view in sorted(state.replicas.replicas.items()):
             if view.status in ("placed", "starting", "ready", "stopping"):
                 cluster = state.clusters.clusters.get(view.cluster)
-                await self.replica(replica_id, cluster.spec if cluster else None)
+                spec = cluster.spec if cluster else None
+                if cluster is not None and (view.revision or 1) != cluster.revision:
+                    # Placed under an earlier revision (a rollout was under way): a start it
+                    # sends again must be that revision's, not the current spec under the old
+                    # revision's number (the rollout replaces it in its turn).
+                    if view.cluster not in revisions:
+                        revisions[view.cluster] = await self._revisions(view.cluster)
+                    spec = revisions[view.cluster].get(view.revision or 1, spec)
+                await self.replica(replica_id, spec)
 
     async def _serve(self, sub: Any, handler: Callable[[Msg], Awaitable[None]]) -> None:
         try:

@@ -15,6 +15,7 @@ import projections
 from actors.cluster_actor import RolloutSlot, RolloutStep, plan_rollout
 from events import (
     ClusterRolledOut,
+    ClusterSpec,
     ClusterSpecChanged,
     ClusterUnschedulable,
     Envelope,
@@ -427,5 +428,39 @@ def test_a_surge_with_no_room_waits_says_why_once_and_goes_on_when_allowed() -> 
             await f.until(lambda: rolled_out(f, "llama", 3), within=30, why="rolled out")
             assert revisions_of(f, "llama") == {3}
             assert projections.rebuild(f.store.read_all_now()) == f.state
+
+    run_simulation(main())
+
+
+def test_a_restarted_controller_sends_a_replica_of_an_earlier_revision_that_revision_s_spec() -> (
+    None
+):
+    """A replica placed under revision 1 has not started when revision 2 is recorded, and the
+    controller dies before its rollout acts: the next controller sends the start again with
+    revision 1's spec, not the current one under revision 1's number (its rollout then
+    replaces it in its turn)."""
+
+    async def main() -> None:
+        async with fleet(3) as f:
+            for agent in f.agents.values():
+                agent.gate.clear()  # commands pile up: nothing starts
+            assert (await f.api("cluster.apply", spec(replicas=1))).ok
+            await f.until(lambda: "llama-0" in f.state.replicas.replicas, within=5, why="placed")
+            store, env = f.store, f.env
+        # Revision 2 recorded, and the controller gone before it acted on it.
+        stream = "cluster/llama"
+        version = await store.stream_version(stream)
+        revised = msgspec.convert(spec(replicas=1, env={"GREETING": "bonjour"}), ClusterSpec)
+        change = ClusterSpecChanged(spec=revised, revision=2, reason="applied")
+        await store.append(stream, [env.new_event(change)], version)
+        async with fleet(0, store=store) as g:
+            old = g.state.replicas.replicas["llama-0"]
+            assert old.revision == 1
+            starts = [
+                c
+                for c in g.commands.pending(old.node_id)
+                if isinstance(c, StartReplica) and c.replica_id == "llama-0" and c.epoch == 1
+            ]
+            assert starts and {c.spec.env["GREETING"] for c in starts} == {"hello"}
 
     run_simulation(main())
