@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from events.cluster import ClusterSpec
 
 from .base import WorkloadEnded, WorkloadStartError
+from .probing import ProbeSettings
 
 SIGTERM_EXIT = -15  # how asyncio reports a process ended by SIGTERM
 SIGKILL_EXIT = -9
@@ -49,8 +50,15 @@ class FakeWorkload:
     # Controls.
 
     def make_ready(self) -> None:
-        if self.alive:
+        if self.alive and self._ended is None:
             self.ready = True
+            self._changed.set()
+
+    def readiness_timed_out(self, timeout_s: float) -> None:
+        """Still loading when its readiness timeout ends: what the real prober reports."""
+        if self.alive and not self.ready and self._ended is None:
+            detail = f"not ready within {timeout_s:g} s"
+            self._ended = WorkloadEnded("readiness_timeout", detail=detail)
             self._changed.set()
 
     def crash(self, exit_code: int = 1) -> None:
@@ -110,6 +118,9 @@ class FakeDriver:
     every workload exits at once with that code (a crash loop). `start_error`: start() raises
     WorkloadStartError with it. `start_gate`: start() waits for it (to observe the agent
     mid-action). `ignore_sigterm`: stop() takes the whole grace period, then SIGKILLs.
+    `probes`: the agent's probe settings, with each spec's `[probes]` over them as the real
+    drivers do: a workload whose `ready_delay_s` is longer than its readiness timeout ends
+    with `readiness_timeout` when the timeout does.
     """
 
     def __init__(
@@ -121,12 +132,14 @@ class FakeDriver:
         start_error: str | None = None,
         ignore_sigterm: bool = False,
         first_port: int = 20_000,
+        probes: ProbeSettings | None = None,
     ) -> None:
         self.auto_ready = auto_ready
         self.ready_delay_s = ready_delay_s
         self.exit_on_start = exit_on_start
         self.start_error = start_error
         self.ignore_sigterm = ignore_sigterm
+        self.probes = probes if probes is not None else ProbeSettings()
         self.start_gate: asyncio.Event | None = None
         self.started: list[FakeWorkload] = []
         self.start_calls = 0  # counted before the gate, so a test sees a start in progress
@@ -161,6 +174,11 @@ class FakeDriver:
         if self.exit_on_start is not None:
             workload.crash(self.exit_on_start)
         elif self.auto_ready:
-            # A timer, not a task: nothing to own or cancel if the workload goes first.
-            asyncio.get_running_loop().call_later(self.ready_delay_s, workload.make_ready)
+            # Timers, not tasks: nothing to own or cancel if the workload goes first.
+            loop = asyncio.get_running_loop()
+            timeout = self.probes.for_spec(spec).readiness_timeout_s
+            if self.ready_delay_s > timeout:
+                loop.call_later(timeout, workload.readiness_timed_out, timeout)
+            else:
+                loop.call_later(self.ready_delay_s, workload.make_ready)
         return workload

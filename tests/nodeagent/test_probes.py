@@ -19,9 +19,11 @@ from events.cluster import ClusterSpec, ProbeSpec
 from events.contract.messages import ReplicaState, StartReplica
 from nodeagent.config import AgentConfig, RestartPolicy
 from nodeagent.replica import ReplicaRunner
+from nodeagent.workload.fake import FakeDriver
 from nodeagent.workload.probing import ProbeSettings
 from nodeagent.workload.process import ProcessDriver, ProcessWorkload
 from runtime.real_env import real_env
+from sim import run_simulation
 
 pytestmark = pytest.mark.integration
 
@@ -152,3 +154,26 @@ async def test_the_agent_reports_a_readiness_timeout_from_the_spec(tmp_path: Pat
     await asyncio.wait_for(runner.run(), 15)
     assert [r.state for r in reports] == ["starting", "failed"]
     assert "readiness_timeout" in reports[-1].detail and "/ready within 0.3 s" in reports[-1].detail
+
+
+def test_the_fake_driver_keeps_a_spec_s_readiness_timeout_as_the_real_drivers_do() -> None:
+    """The simulator's workloads honour `[probes] readiness_timeout_s`: one still loading when
+    the timeout ends is reported `readiness_timeout`; within it, ready."""
+
+    async def main() -> list[tuple[str, float]]:
+        loop = asyncio.get_running_loop()
+        seen: list[tuple[str, float]] = []
+        driver = FakeDriver(ready_delay_s=10.0)
+        for timeout in (5.0, 20.0, None):
+            spec = ClusterSpec(name="x", command="c", probes=ProbeSpec(readiness_timeout_s=timeout))
+            began = loop.time()
+            workload = await driver.start("x-0", 1, spec, (), 0)
+            ended = await workload.wait_ready()
+            seen.append((ended.reason if ended else "ready", loop.time() - began))
+        return seen
+
+    assert run_simulation(main()) == [
+        ("readiness_timeout", 5.0),
+        ("ready", 10.0),
+        ("ready", 10.0),  # unset: the agent's 300 s
+    ]
