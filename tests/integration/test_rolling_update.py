@@ -9,6 +9,7 @@ and a stopped one drains what it has in flight. No request fails and no stream i
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -147,3 +148,32 @@ async def test_apply_history_and_rollback_over_rest(rest: TestClient[Any, Any]) 
     rolled = await body(await rest.post("/api/v1/clusters/llama/rollback"))
     assert rolled["revision"] == 3 and rolled["spec"] == {"name": "llama", **base}
     assert rolled["message"] == "revision 3: the spec of revision 1"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_revision_whose_workload_crashes_is_rolled_back_on_its_own(
+    tmp_path: Path, nats_server_binary: Path
+) -> None:
+    """With real agents and processes: revision 2's command exits at once; its replicas crash
+    in place until the controller records an automatic rollback to revision 1's spec (as
+    revision 3), with why; the cluster serves revision 1's workload again, and the replicas of
+    revision 1 it kept never stopped serving."""
+    stack = Stack(tmp_path / "stack", agents=3, nats_binary=nats_server_binary)
+    async with stack:
+        spec = echo_spec(2)
+        await stack.create_cluster(spec)
+        first = await serving(stack, 2)
+        kept = {(r["replica_id"], r["epoch"]) for r in first["replicas"]}
+        broken = {**spec, "command": f"{sys.executable} -c 'raise SystemExit(3)'"}
+        applied = await stack.api("cluster.apply", broken, timeout=30.0)
+        assert applied["revision"] == 2 and applied["changed"], applied
+        rollback = await stack.wait_for_event("cluster.spec_changed.v1", timeout=60, rollback_to=1)
+        assert rollback.payload.revision == 3
+        assert rollback.payload.reason.startswith("automatic rollback to revision 1"), rollback
+        assert "exit code 3" in rollback.payload.reason, rollback.payload.reason
+        assert rollback.payload.spec.command == spec["command"]
+        cluster = await serving(stack, 2)
+        assert cluster["revision"] == 3
+        # Revision 1's replicas were never taken out for the broken one (max_unavailable 0).
+        assert {(r["replica_id"], r["epoch"]) for r in cluster["replicas"]} >= kept
