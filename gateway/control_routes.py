@@ -13,6 +13,9 @@ its own and works with any controller that answers on NATS.
     PATCH  /clusters/{name}       cluster.scale    body: {"replicas": N}           -> 200
     GET    /clusters/{name}/history  cluster.history                               -> 200
     POST   /clusters/{name}/rollback cluster.rollback body: {"to": REV} (optional) -> 200
+    POST   /clusters/{name}/canary   cluster.canary   body: {"spec": S, "weight": W} -> 200
+    POST   /clusters/{name}/promote  cluster.promote  body: {"reason": R} (optional) -> 200
+    POST   /clusters/{name}/abort    cluster.abort    body: {"reason": R} (optional) -> 200
     DELETE /clusters/{name}       cluster.delete                                   -> 200
     GET    /nodes                 node.list                                        -> 200
     POST   /nodes/{id}/drain      node.drain                                       -> 200
@@ -37,8 +40,10 @@ only when one input is to blame: a JSON path (`$.replicas`) for a body, the para
     404 not_found                an unknown cluster or node, or no such route
     405 method_not_allowed
     408 request_timeout          the body did not arrive within `body_timeout` (slow client)
-    409 conflict                 the controller says it already exists, or the node is
-                                 not in the state the verb needs (undrain, remove, uncordon)
+    409 conflict                 the controller says it already exists, or the node or
+                                 cluster is not in the state the verb needs (undrain,
+                                 remove, uncordon; a second canary, promote or abort with
+                                 none, delete while a canary runs)
     502 bad_reply                the controller's reply could not be decoded
     503 controller_unavailable   no controller subscribed (NoResponders; with Retry-After: 2),
                                  or the bus failed
@@ -79,6 +84,10 @@ _JSON: Final = "application/json"
 _B = TypeVar("_B", bound=msgspec.Struct)  # a request body
 
 _STATE_CONFLICTS: Final = ("node ",)
+# ... and when a cluster's canary is not in the state a verb needs (cluster.canary with one
+# running, or its cluster's name taken; cluster.promote and cluster.abort with none; delete
+# while one runs).
+_CANARY_CONFLICTS: Final = ("has a canary", "has no canary", "exists already")
 _STATUS_TYPES: Final = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 DEFAULT_BODY_TIMEOUT_S: Final = 30.0
 # "gpu.count: must be 1..16" -> "gpu.count"; "unknown cluster 'x' (known: a)" does not match.
@@ -100,6 +109,21 @@ class RollbackBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """`POST /clusters/{name}/rollback`; an empty body rolls back to the previous revision."""
 
     to: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class CanaryBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /clusters/{name}/canary`: the spec the canary serves (a ClusterSpec mapping; its
+    `name`, if given, the path's) and its percent of the cluster's requests. The controller
+    judges both (a weight outside 1..99 is its one-line 400)."""
+
+    spec: dict[str, Any]
+    weight: int = 10
+
+
+class CanaryEndBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """`POST /clusters/{name}/promote` and `.../abort`; an empty body gives no reason."""
+
+    reason: str = ""
 
 
 class CordonBody(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -217,7 +241,11 @@ def refused(error: str) -> ControlError:
     """An ApiReply with ok=false, as the status it deserves."""
     if error.startswith(("unknown cluster", "unknown node")):
         return ControlError(404, "not_found", error)
-    if "already exists" in error or error.startswith(_STATE_CONFLICTS):
+    if (
+        "already exists" in error
+        or error.startswith(_STATE_CONFLICTS)
+        or any(conflict in error for conflict in _CANARY_CONFLICTS)
+    ):
         return ControlError(409, "conflict", error)
     return invalid(error, body_field(error))
 
@@ -277,6 +305,9 @@ ROUTE_NEEDS: Final[dict[tuple[str, str], Need]] = {
     ("PUT", "/clusters/{name}"): "cluster",
     ("PATCH", "/clusters/{name}"): "cluster",
     ("POST", "/clusters/{name}/rollback"): "cluster",
+    ("POST", "/clusters/{name}/canary"): "cluster",
+    ("POST", "/clusters/{name}/promote"): "cluster",
+    ("POST", "/clusters/{name}/abort"): "cluster",
     ("DELETE", "/clusters/{name}"): "cluster",
     ("POST", "/clusters"): "all",
     ("POST", "/nodes/{node_id}/drain"): "all",
@@ -384,6 +415,9 @@ def control_app(
     app.router.add_patch("/clusters/{name}", api.scale_cluster)
     app.router.add_get("/clusters/{name}/history", api.cluster_history)
     app.router.add_post("/clusters/{name}/rollback", api.rollback_cluster)
+    app.router.add_post("/clusters/{name}/canary", api.canary_cluster)
+    app.router.add_post("/clusters/{name}/promote", api.promote_canary)
+    app.router.add_post("/clusters/{name}/abort", api.abort_canary)
     app.router.add_delete("/clusters/{name}", api.delete_cluster)
     app.router.add_get("/nodes", api.list_nodes)
     app.router.add_post("/nodes/{node_id}/drain", api.drain_node)
@@ -558,6 +592,33 @@ class _ControlApi:
             if exc.status == 400 and not exc.field:
                 exc.field = "$.to"  # an unknown revision, or the current one
             raise
+
+    async def canary_cluster(self, request: web.Request) -> web.Response:
+        body = await self._body(request, CanaryBody)
+        request_body = {
+            "name": request.match_info["name"],
+            "spec": body.spec,
+            "weight": body.weight,
+        }
+        try:
+            return _ok(await self.call("cluster.canary", request_body))
+        except ControlError as exc:
+            # The controller names a spec's fields from the spec (`gpu.count: ...`); in this
+            # body they are under `spec`.
+            if exc.field and exc.field != "$.weight" and not exc.field.startswith("$.spec"):
+                exc.field = "$.spec" + exc.field.removeprefix("$")
+            raise
+
+    async def promote_canary(self, request: web.Request) -> web.Response:
+        return await self._end_canary(request, "cluster.promote")
+
+    async def abort_canary(self, request: web.Request) -> web.Response:
+        return await self._end_canary(request, "cluster.abort")
+
+    async def _end_canary(self, request: web.Request, verb: str) -> web.Response:
+        body = await self._body(request, CanaryEndBody, empty=b"{}")
+        request_body = {"name": request.match_info["name"], "reason": body.reason}
+        return _ok(await self.call(verb, request_body))
 
     async def delete_cluster(self, request: web.Request) -> web.Response:
         return _ok(await self.call("cluster.delete", {"name": request.match_info["name"]}))

@@ -226,6 +226,18 @@ class Dispatcher:
         self._table_changed.set()
         self._table_changed = asyncio.Event()
 
+    def pick_cluster(self, cluster: str) -> str:
+        """The cluster that serves a request for `cluster`: while `cluster` has a canary with a
+        ready replica (Router.split), its canary for `weight` percent of the requests, drawn
+        one request at a time from this dispatcher's random source; `cluster` otherwise,
+        without a draw. The caller asks once per request, before run(), and gives run() and
+        finished() the cluster it answers: the request's retries, holds and load count stay
+        with that cluster."""
+        split = self.router.split(cluster)
+        if split is None:
+            return cluster
+        return split.to if self._rng.random() * 100 < split.weight else cluster
+
     def held(self, cluster: str) -> int:
         """Requests of `cluster` waiting for a replica now."""
         return self._held.get(cluster, 0)

@@ -144,5 +144,9 @@ class RoutingFeed:
             }
             if update.cold_start:
                 fields["cold_start"] = dict(sorted(update.cold_start.items()))
+            if update.splits:
+                fields["splits"] = {
+                    c: f"{s.weight}% to {s.to}" for c, s in sorted(update.splits.items())
+                }
             self._log.info("routing_updated", position=update.position, **fields)
         self.ready.set()

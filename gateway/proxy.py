@@ -341,8 +341,10 @@ class Proxy:
             self._record(request)
 
     def _resolve(self, request: _Exchange) -> None:
-        """The request's cluster by its own name, and its metrics label; or the DispatchError
-        for a gateway without a table yet, or a cluster the caller may not reach."""
+        """The request's cluster by its own name, then the one that serves it (its canary's,
+        for the canary's share of a split cluster: Dispatcher.pick_cluster), which its
+        metrics label, access log line and load count name; or the DispatchError for a
+        gateway without a table yet, or a cluster the caller may not reach."""
         if self.router.position == 0:
             raise NotReady()
         cluster = request.cluster = self.router.resolve(request.cluster)
@@ -351,6 +353,10 @@ class Proxy:
             # Another tenant's cluster does not exist, as far as this key can tell.
             request.label = "unknown"
             raise UnknownCluster(cluster, lists_known=False)
+        # After the tenant's check: a key that reaches a cluster reaches its canary's share.
+        served = self.dispatcher.pick_cluster(cluster)
+        if served != cluster:
+            request.cluster = request.label = served
 
     def _known_to(self, tenant: Tenant) -> list[str]:
         """The models this tenant may be told exist."""

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from events.contract.messages import RouteEntry, RoutingUpdate
+from events.contract.messages import CanarySplit, RouteEntry, RoutingUpdate
 from runtime.env import Clock, RandomSource
 
 from .balancer import HashRing, bounded_affinity, power_of_two
@@ -102,6 +102,7 @@ class Router:
         self._known: frozenset[str] = frozenset()
         self._models: dict[str, str] = {}
         self._cold_start: dict[str, float] = {}
+        self._splits: dict[str, CanarySplit] = {}
         self._stats: dict[StatsKey, ReplicaStats] = {}
         self._cluster_of: dict[StatsKey, str] = {}
         self._current: dict[str, StatsKey] = {}  # replica_id -> its routed (replica_id, epoch)
@@ -122,11 +123,13 @@ class Router:
         known = frozenset(update.clusters) | frozenset(routes)
         models = {m: c for m, c in update.models.items() if c in known}
         cold_start = {c: s for c, s in update.cold_start.items() if c in known}
+        splits = {c: s for c, s in update.splits.items() if c in known and s.to in known}
         if (
             routes == self._routes
             and known == self._known
             and models == self._models
             and cold_start == self._cold_start
+            and splits == self._splits
         ):
             return False  # the controller's periodic re-send
         for cluster in set(self._rings):
@@ -145,7 +148,7 @@ class Router:
                 cluster_of[key] = cluster
                 current[entry.replica_id] = key
         self._routes, self._known, self._models = routes, known, models
-        self._cold_start = cold_start
+        self._cold_start, self._splits = cold_start, splits
         self._stats, self._cluster_of, self._current = stats, cluster_of, current
         self._changed += 1
         return True
@@ -161,6 +164,14 @@ class Router:
         """How long a request may be held while `cluster` starts from zero replicas (seconds),
         or None: it does not scale from zero, and a request waits the usual queue timeout."""
         return self._cold_start.get(cluster)
+
+    def split(self, cluster: str) -> CanarySplit | None:
+        """`cluster`'s canary split, while its canary (`to`) has a ready replica to take its
+        share; None otherwise: every request of `cluster` stays with it."""
+        split = self._splits.get(cluster)
+        if split is None or not self._routes.get(split.to):
+            return None
+        return split
 
     def clusters(self) -> list[str]:
         return sorted(self._known)
