@@ -390,7 +390,8 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         current = self._require()
         canary = self.state.canary
         if not canary:
-            raise ClusterError(f"cluster {self.name!r} has no canary to {outcome[:-2]}")
+            verb = "promote" if outcome == "promoted" else "abort"
+            raise ClusterError(f"cluster {self.name!r} has no canary to {verb}")
         ended = ClusterCanaryEnded(name=self.name, canary=canary, outcome=outcome, reason=reason)
         if promoted is None or template(promoted) == template(current):
             await self._persist_and_wait(ctx, [ended])

@@ -445,6 +445,8 @@ class World:
                 route, replace(request, first_byte_timeout=first_byte_timeout)
             )
 
+        # A canary takes its share as the real gateway's proxy gives it (no draw without one).
+        cluster = self.dispatcher.pick_cluster(cluster)
         try:
             route, _ = await self.dispatcher.run(cluster, attempt)
         except (NoReadyReplica, AttemptsExhausted, UnknownCluster) as exc:
