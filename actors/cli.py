@@ -15,6 +15,7 @@ import msgspec
 from events import ClusterSpec
 from events.contract import subjects
 from events.contract.messages import ApiReply
+from events.gpu_names import family
 from wire.commandline import add_creds_argument, credentials, nats_for
 from wire.errors import CommandFailed
 from wire.stack import find_nats_url
@@ -766,16 +767,47 @@ async def list_nodes(args: argparse.Namespace) -> int:
         data = await call(args, "node.drain", {"node_id": args.drain})
         return _emit(args, data, f"draining {args.drain}")
     nodes = await call(args, "node.list", {})
-    rows = [f"{'NODE':16} {'HEALTH':10} {'REASON':18} {'REGION':10} {'GPUS':>4}  MAX TEMP"]
+    return _emit(args, with_gpu_families(nodes), nodes_table(nodes, time.time_ns()))
+
+
+def with_gpu_families(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`node.list`'s nodes with each GPU's `family` beside its `model` (the name NVML
+    reports): added, so `--json` readers of the fields before keep working."""
+    for n in nodes:
+        n["gpus"] = [{**g, "family": family(g.get("model", ""))} for g in n.get("gpus", [])]
+    return nodes
+
+
+def nodes_table(nodes: list[dict[str, Any]], now_ns: int) -> str:
+    if not nodes:
+        return "no nodes"
+    head = (
+        f"{'NODE':16} {'HEALTH':10} {'REASON':18} {'REGION':10} {'GPUS':>4}  {'MAX TEMP':8}  MODEL"
+    )
+    rows = [head]
     for n in nodes:
         temps = [g.get("temperature_c", 0.0) for g in n["metrics"]]
         hottest = f"{max(temps):.0f} C" if temps else "-"
         state = n["health"] + (" (drained)" if n["drained"] else "")
         until = n.get("cordoned_until_ns", 0)
-        if until < 0 or until > time.time_ns():
+        if until < 0 or until > now_ns:
             state += " (cordoned)"
         rows.append(
             f"{n['node_id']:16} {state:10} {n['health_reason']:18} "
-            f"{n['region'] or '-':10} {len(n['gpus']):>4}  {hottest}"
+            f"{n['region'] or '-':10} {len(n['gpus']):>4}  {hottest:8}  {gpu_models(n['gpus'])}"
         )
-    return _emit(args, nodes, "\n".join(rows) if nodes else "no nodes")
+    return "\n".join(rows)
+
+
+def gpu_models(gpus: list[dict[str, Any]]) -> str:
+    """`2x H100 (NVIDIA H100 80GB HBM3)`: each model's family, then the name NVML reports
+    where it differs; `-` for none."""
+    counts: dict[str, int] = {}
+    for g in gpus:
+        counts[g.get("model", "")] = counts.get(g.get("model", ""), 0) + 1
+    parts = []
+    for model, count in counts.items():
+        short = family(model)
+        raw = f" ({model})" if model != short else ""
+        parts.append(f"{count}x {short}{raw}")
+    return ", ".join(parts) or "-"

@@ -10,8 +10,10 @@ The decision has two stages:
    cordoned (until a time after `now_ns`, or until uncordoned), is in `avoid`, is outside
    `spec.regions` (when the spec names any), lacks one of the spec's labels, or has fewer than
    `spec.gpu.count` free GPUs of one accepted model with at least `spec.gpu.min_vram_mib`
-   each. A replica's GPUs are all of one model: tensor-parallel shards on mixed models run at
-   the pace and memory of the weakest.
+   each. A model is accepted by its name, family or alias (`H100` takes "NVIDIA H100 80GB
+   HBM3" and "NVIDIA H100 PCIe": events/gpu_names.py). A replica's GPUs are all of one model
+   as NVML names it: tensor-parallel shards on mixed models run at the pace and memory of the
+   weakest.
 2. Ranking. The nodes left are compared lexicographically, so each rule only matters when every
    rule before it ties, and the deciding rule can be named:
 
@@ -46,10 +48,11 @@ from operator import itemgetter
 import msgspec
 
 from events import Candidate, ClusterSpec, GpuInfo
+from events.gpu_names import matches
 from projections.views import NodeView, ReplicaView
 from runtime.env import RandomSource
 
-__all__ = ["NoFit", "Placement", "cordon_end", "cordoned", "free_gpus", "schedule"]
+__all__ = ["NoFit", "Placement", "accepts", "cordon_end", "cordoned", "free_gpus", "schedule"]
 
 # A failed or stopped replica's process is gone, so its GPUs are free again.
 RELEASED = frozenset({"failed", "stopped"})
@@ -388,7 +391,7 @@ def _choose_gpus(node: NodeView, need: _Need, taken: Collection[int]) -> tuple[i
         return ()
     accepted = need.models
     gpus = _unique_by_index(node.gpus)
-    of_model = [g for g in gpus if not accepted or g.model in accepted]
+    of_model = [g for g in gpus if accepts(accepted, g.model)]
     if not of_model:
         what = need.what
         return _Reject(6, f"has no {what}", f"have no {what}", f"no {what} ({_inventory(gpus)})")
@@ -421,6 +424,12 @@ def _choose_gpus(node: NodeView, need: _Need, taken: Collection[int]) -> tuple[i
         f"have {short} {what}{vram}",
         f"{have}{vram}, needs {count}{one_model}",
     )
+
+
+def accepts(models: Sequence[str], reported: str) -> bool:
+    """Whether a spec's `gpu.models` (none: any) take a GPU NVML calls `reported`: by name,
+    family or alias (events/gpu_names.py), so `H100` takes "NVIDIA H100 80GB HBM3"."""
+    return not models or any(matches(m, reported) for m in models)
 
 
 def _unique_by_index(gpus: Sequence[GpuInfo]) -> Sequence[GpuInfo]:

@@ -45,7 +45,7 @@ from projections.views import NodeView, ReplicaView
 
 # The scheduler's filters and its view of taken GPUs, reused so that a plan and a placement
 # refuse the same nodes for the same reasons.
-from .scheduler import _filter, _Need, _Reject, _taken, _unique_by_index
+from .scheduler import _filter, _Need, _Reject, _taken, _unique_by_index, accepts
 
 __all__ = [
     "BANDWIDTH_GBS",
@@ -256,7 +256,7 @@ def _units(
             continue
         by_model: dict[str, list[tuple[int, int]]] = {}
         for gpu in _unique_by_index(node.gpus):
-            ok_model = not need.models or gpu.model in need.models
+            ok_model = accepts(need.models, gpu.model)
             if ok_model and gpu.vram_mib >= need.min_vram_mib and gpu.index not in used:
                 by_model.setdefault(gpu.model, []).append((gpu.index, gpu.vram_mib))
         units[node.node_id] = [

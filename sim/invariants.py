@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import projections
-from actors.scheduler import RELEASED, eligible_gpus
+from actors.scheduler import RELEASED, accepts, eligible_gpus
 from events import (
     ClusterScaled,
     Envelope,
@@ -223,7 +223,7 @@ class Checker:
                     f"{placed.replica_id} on {node.node_id} GPU {index}: "
                     f"{'no such GPU' if gpu is None else 'already taken'}",
                 )
-            elif spec.gpu.models and gpu.model not in spec.gpu.models:
+            elif not accepts(spec.gpu.models, gpu.model):
                 self._violate(
                     at,
                     "placement_fits",

@@ -170,6 +170,23 @@ def test_gpu_model_must_be_accepted() -> None:
     assert rejection(no_fit([node("bare", 0)]), "bare") == "no GPU (no GPUs)"
 
 
+def test_a_spec_model_matches_the_name_nvml_reports() -> None:
+    """NVML's names against a spec's: by family (events/gpu_names.py); a replica still gets
+    GPUs of one name, the SXM and PCIe H100 being different cards."""
+    sxm = node("sxm", model="NVIDIA H100 80GB HBM3", price_per_hour=2)
+    pcie = node("pcie", model="NVIDIA H100 PCIe", price_per_hour=1)
+    rtx = node("rtx", model="NVIDIA GeForce RTX 4090")
+    assert placed([sxm, pcie, rtx], spec(models=("H100",))).node_id == "pcie"
+    assert placed([sxm, pcie, rtx], spec(models=("H100 SXM",))).node_id == "sxm"
+    assert placed([sxm, pcie, rtx], spec(models=("RTX4090",))).node_id == "rtx"
+    result = no_fit([sxm, rtx], spec(models=("A100",)))
+    assert rejection(result, "sxm") == "no A100 (has 2x NVIDIA H100 80GB HBM3)"
+    mixed = node("mixed", [gpu(0, "NVIDIA H100 80GB HBM3"), gpu(1, "NVIDIA H100 PCIe")])
+    assert rejection(no_fit([mixed], spec(count=2, models=("H100",))), "mixed") == (
+        "1 NVIDIA H100 80GB HBM3 + 1 NVIDIA H100 PCIe free, needs 2 of one model"
+    )
+
+
 def test_each_chosen_gpu_has_enough_vram() -> None:
     small = node("small", vram=24576)
     mixed = node("mixed", [gpu(0, vram=24576), gpu(1, vram=81920)], price_per_hour=9)
@@ -575,7 +592,16 @@ def test_decisions_serialise_and_fill_a_replica_placed_event() -> None:
 # ---------------------------------------------------------------------------------------------
 # Properties over generated fleets
 
-MODELS = ("A100", "H100", "RTX4090", "L4")
+# GPUs named as NVML names them, and as `--fake-gpus` does (A100); specs name families.
+MODELS = (
+    "A100",
+    "NVIDIA H100 80GB HBM3",
+    "NVIDIA H100 PCIe",
+    "NVIDIA GeForce RTX 4090",
+    "NVIDIA L4",
+)
+# The oracle's own table of which family each is (events/gpu_names.py is tested on its own).
+FAMILY = dict(zip(MODELS, ("A100", "H100", "H100", "RTX4090", "L4"), strict=True))
 VRAMS = (16384, 24576, 40960, 81920)
 REGIONS = ("", "eu-west", "eu-central", "us-east")
 ZONES = ("", "a", "b")
@@ -629,7 +655,7 @@ def fleets(draw: st.DrawFn, sizes: tuple[int, int] = (1, 12)) -> list[NodeView]:
             gpus = tuple(gpu(i, model, vram) for i in reversed(range(1, 2 * size, 2)))
         else:
             gpus = tuple(
-                gpu(i, draw(st.sampled_from(MODELS[:2])), draw(st.sampled_from(VRAMS[2:])))
+                gpu(i, draw(st.sampled_from(MODELS[:3])), draw(st.sampled_from(VRAMS[2:])))
                 for i in range(size)
             )
         metrics: tuple[GpuMetrics, ...] = ()
@@ -702,7 +728,7 @@ def gpu_options(
     usable = [
         g
         for g in n.gpus
-        if (not the_spec.gpu.models or g.model in the_spec.gpu.models)
+        if (not the_spec.gpu.models or FAMILY[g.model] in the_spec.gpu.models)
         and g.vram_mib >= the_spec.gpu.min_vram_mib
         and g.index not in taken
     ]
@@ -814,7 +840,7 @@ def test_placements_on_generated_fleets_agree_with_the_oracle(
         assert set(result.gpu_indices) <= set(free_gpus(chosen, placements))
         assert len({gpus[i].model for i in result.gpu_indices}) <= 1
         for i in result.gpu_indices:
-            assert not the_spec.gpu.models or gpus[i].model in the_spec.gpu.models
+            assert not the_spec.gpu.models or FAMILY[gpus[i].model] in the_spec.gpu.models
             assert gpus[i].vram_mib >= the_spec.gpu.min_vram_mib
         # ... and they are the lowest such indices.
         assert result.gpu_indices == min(gpu_options(chosen, the_spec, placements))
