@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, wait
 from pathlib import Path
@@ -59,6 +61,12 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     fuzz.add_argument("--json", action="store_true")
     fuzz.add_argument(
         "--record", type=Path, metavar="FILE", help="where to write the failing run's record"
+    )
+    fuzz.add_argument(
+        "--progress",
+        action="store_true",
+        help="show progress on stderr (seeds done, rate, violations, ETA) even when stderr is "
+        "not a terminal, one line per update; on a terminal it is shown anyway",
     )
     fuzz.set_defaults(handler=fuzz_command)
 
@@ -170,7 +178,12 @@ async def fuzz_command(args: argparse.Namespace) -> int:
         f"commit {commit}",
         file=sys.stderr,
     )
-    failing, checked, mismatched = _in_thread(_fuzz, str(path), seeds, args.jobs)
+    progress: FuzzProgress | None = None
+    if args.progress or sys.stderr.isatty():
+        progress = FuzzProgress(len(seeds), sys.stderr, tty=sys.stderr.isatty())
+    failing, checked, mismatched = _in_thread(_fuzz, str(path), seeds, args.jobs, progress)
+    if progress is not None:
+        progress.end()
     for seed in mismatched:
         print(f"NONDETERMINISM: seed {seed} gave two different runs", file=sys.stderr)
     if failing is None:
@@ -192,8 +205,59 @@ async def fuzz_command(args: argparse.Namespace) -> int:
     return 1
 
 
+class FuzzProgress:
+    """Where a fuzz stands, on stderr: `seeds done/total, rate, violations, ETA`. On a terminal
+    one line redrawn in place, at most every half second; otherwise (`--progress` into a file
+    or a pipe) a line a second at most. Told of each seed's end by the fuzz loop; adds nothing
+    to the runs themselves."""
+
+    def __init__(self, total: int, stream: Any, *, tty: bool) -> None:
+        self.total = total
+        self.stream = stream
+        self.tty = tty
+        self.started = time.perf_counter()
+        self.done = 0
+        self.violations = 0
+        self._shown_at = -math.inf
+        self._drawn = False
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.started
+        rate = self.done / elapsed if elapsed > 0 else 0.0
+        left = self.total - self.done
+        eta = f"ETA {left / rate:.0f} s" if rate > 0 and left > 0 else "ETA -"
+        if left <= 0 or self.violations:
+            eta = f"{elapsed:.1f} s"
+        return (
+            f"fuzz: {self.done}/{self.total} seeds, {rate:.2f} seeds/s, "
+            f"{self.violations} violation(s), {eta}"
+        )
+
+    def seed_done(self, violated: bool) -> None:
+        self.done += 1
+        self.violations += violated
+        now = time.perf_counter()
+        if now - self._shown_at >= (0.5 if self.tty else 1.0):
+            self._shown_at = now
+            self._show()
+
+    def end(self) -> None:
+        self._show()
+        if self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _show(self) -> None:
+        if self.tty:
+            self.stream.write(f"\r{self.line()}\x1b[K")
+            self._drawn = True
+        else:
+            self.stream.write(self.line() + "\n")
+        self.stream.flush()
+
+
 def _fuzz(
-    path: str, seeds: list[int], jobs: int
+    path: str, seeds: list[int], jobs: int, progress: FuzzProgress | None = None
 ) -> tuple[tuple[int, dict[str, Any]] | None, int, list[int]]:
     """Run seeds until the first violation; run a share of them twice and compare.
 
@@ -230,6 +294,8 @@ def _fuzz(
                     continue
                 checked += 1
                 results[seed] = result
+                if progress is not None:
+                    progress.seed_done(bool(result["violations"]))
                 if result["violations"] and (failing is None or seed < failing[0]):
                     failing = (seed, result)
         for future in pending:

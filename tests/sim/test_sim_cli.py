@@ -6,8 +6,10 @@ the replay command. Short scenarios written to tmp_path keep each run to a fract
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -275,3 +277,25 @@ def test_fuzz_over_worker_processes_passes_a_clean_scenario(
     captured = capsys.readouterr()
     assert captured.out.strip() == "2 seeds passed (0 not run); no violation"
     assert "NONDETERMINISM" not in captured.err
+
+
+def test_fuzz_progress_counts_seeds_and_violations_and_is_quiet_unless_asked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], quick: Path
+) -> None:
+    def fake(name: str, seed: int, faults: Any = None) -> dict[str, Any]:
+        return {"violations": [{"invariant": "spread"}] if seed == 3 else [], "digest": ""}
+
+    monkeypatch.setattr(sim.cli, "execute", fake)
+    progress = sim.cli.FuzzProgress(5, io.StringIO(), tty=False)
+    failing, checked, _ = sim.cli._fuzz("quick.toml", [1, 2, 3, 4, 5], 0, progress)
+    assert failing is not None and failing[0] == 3 and checked == 3
+    assert (progress.done, progress.violations) == (3, 1)
+    progress.end()
+    last = progress.stream.getvalue().splitlines()[-1]
+    assert re.fullmatch(r"fuzz: 3/5 seeds, [\d.]+ seeds/s, 1 violation\(s\), [\d.]+ s", last), last
+
+    # Not a terminal and no --progress: nothing but the usual lines.
+    assert main(["sim", "fuzz", str(quick), "--seeds", "2", "--jobs", "0"]) == 0
+    assert "fuzz: " not in capsys.readouterr().err.replace("gpumesh sim fuzz: ", "")
+    assert main(["sim", "fuzz", str(quick), "--seeds", "2", "--jobs", "0", "--progress"]) == 0
+    assert "fuzz: 2/2 seeds, " in capsys.readouterr().err
