@@ -20,3 +20,16 @@ class EventMaker:
             self.now_ns += self.step_ns
             at_ns = self.now_ns
         return new_event(payload, wall_ns=at_ns, entropy=self.rng)
+
+
+class ManualClock:
+    """A clock a test moves by hand (`clock.now += 2.0`): the injected Clock of a pure part."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def wall_ns(self) -> int:
+        return int(self.now * 1e9)

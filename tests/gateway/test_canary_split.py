@@ -23,20 +23,10 @@ from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.transport.base import ConnectFailed, UpstreamRequest
 from runtime.real_env import LoopClock
+from tests.factories import ManualClock
 
 CANARY = "llama-canary"
 TEN = {"llama": CanarySplit(to=CANARY, weight=10)}
-
-
-class FakeClock:
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall_ns(self) -> int:
-        return int(self.now * 1e9)
 
 
 def entry(replica_id: str, epoch: int = 1) -> RouteEntry:
@@ -57,7 +47,7 @@ def table(
 
 
 def dispatcher(seed: int = 1, update: RoutingUpdate | None = None) -> Dispatcher:
-    clock = FakeClock()
+    clock = ManualClock()
     router = Router(clock, random.Random(seed))
     router.apply(update or table(1, TEN))
     return Dispatcher(router, RetryPolicy(), clock, random.Random(seed + 1))
@@ -71,7 +61,7 @@ def draws(d: Dispatcher, cluster: str = "llama", n: int = 10_000) -> list[str]:
 
 
 def test_a_change_of_splits_alone_is_a_table_change() -> None:
-    router = Router(FakeClock(), random.Random(1))
+    router = Router(ManualClock(), random.Random(1))
     assert router.apply(table(1))
     assert router.split("llama") is None
     assert not router.apply(table(2))  # the periodic re-send
@@ -84,7 +74,7 @@ def test_a_change_of_splits_alone_is_a_table_change() -> None:
 
 
 def test_a_split_to_or_from_an_unknown_cluster_is_dropped() -> None:
-    router = Router(FakeClock(), random.Random(1))
+    router = Router(ManualClock(), random.Random(1))
     router.apply(table(1, {**TEN, "mistral": CanarySplit(to=CANARY, weight=10)}))
     assert router.split("mistral") is None  # no such cluster
     router.apply(table(2, TEN, clusters=("llama",), canary=()))
@@ -92,7 +82,7 @@ def test_a_split_to_or_from_an_unknown_cluster_is_dropped() -> None:
 
 
 def test_a_canary_without_a_ready_replica_takes_nothing() -> None:
-    router = Router(FakeClock(), random.Random(1))
+    router = Router(ManualClock(), random.Random(1))
     router.apply(table(1, TEN, canary=()))
     assert router.split("llama") is None
     assert router.split(CANARY) is None
@@ -144,7 +134,7 @@ def test_no_draw_without_a_split() -> None:
             Counting.calls += 1
             return super().random()
 
-    clock = FakeClock()
+    clock = ManualClock()
     router = Router(clock, random.Random(1))
     router.apply(table(1, TEN, canary=()))
     d = Dispatcher(router, RetryPolicy(), clock, Counting(2))

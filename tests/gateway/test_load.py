@@ -7,17 +7,7 @@ import msgspec
 
 from events.contract.messages import ClusterLoad, GatewayLoad
 from gateway.load import LoadMeter
-
-
-class ManualClock:
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall_ns(self) -> int:
-        return int(self.now * 1e9)
+from tests.factories import ManualClock
 
 
 def test_a_report_counts_the_interval_since_the_last_one() -> None:

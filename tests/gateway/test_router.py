@@ -12,19 +12,9 @@ from hypothesis import given, strategies as st
 from events.contract.messages import RouteEntry, RoutingUpdate
 from gateway.router import Ejection, ReplicaStats, Router, RouterConfig
 from gateway.transport.base import Outcome
+from tests.factories import ManualClock
 
 NO_JITTER = RouterConfig(eject_jitter=0.0)
-
-
-class FakeClock:
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def wall_ns(self) -> int:
-        return int(self.now * 1e9)
 
 
 def entry(replica_id: str, epoch: int = 1, node_id: str = "") -> RouteEntry:
@@ -46,8 +36,8 @@ def update(
     )
 
 
-def router(config: RouterConfig = NO_JITTER, seed: int = 7) -> tuple[Router, FakeClock]:
-    clock = FakeClock()
+def router(config: RouterConfig = NO_JITTER, seed: int = 7) -> tuple[Router, ManualClock]:
+    clock = ManualClock()
     return Router(clock, random.Random(seed), config), clock
 
 
