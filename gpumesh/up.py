@@ -1,8 +1,10 @@
 """`gpumesh up`: a whole local stack in one command.
 
 Embedded NATS, the controller (in this process), and N node agents with fake GPUs, each its own
-process so one can be killed the way a machine dies. `--demo` also creates a cluster of echo
-replicas. Ctrl-C stops the agents (which stop their workloads), then the controller, then NATS.
+process so one can be killed the way a machine dies. `--demo [NAME]` also creates a demo
+cluster: SmolLM2 (`smollm2`, the default when its packages are installed, else echo with a line
+saying how to install them), `embeddings` or `echo` (docs/workloads.md). Ctrl-C stops the
+agents (which stop their workloads), then the controller, then NATS.
 `--ha` runs the high-availability shape instead (gpumesh/up_ha.py).
 """
 
@@ -26,7 +28,9 @@ from events.contract import subjects
 from events.contract.messages import ApiReply
 
 REGIONS = ("eu-west", "us-east", "ap-south")
-DEMO_CLUSTER = "echo"
+DEMO_CLUSTER = "echo"  # `up --ha --demo` serves echo (gpumesh/up_ha.py)
+DEMOS = ("smollm2", "embeddings", "echo")
+_AUTO = "auto"  # bare `--demo`: smollm2 when its packages are installed, else echo
 
 
 def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
@@ -47,8 +51,15 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     )
     up.add_argument(
         "--demo",
-        action="store_true",
-        help=f"also create cluster '{DEMO_CLUSTER}': 3 replicas of the echo workload",
+        nargs="?",
+        const=_AUTO,
+        choices=[*DEMOS, _AUTO],
+        metavar="NAME",
+        help="also create a demo cluster: smollm2 (2 replicas of SmolLM2-135M served by "
+        "llama.cpp), embeddings (2 replicas of multilingual-e5-small) or echo (3 replicas of "
+        "the echo workload); bare --demo is smollm2 when its packages are installed "
+        "(pip install 'gpumesh[demo]' && gpumesh workload fetch smollm2), else echo. "
+        "With --ha: echo only",
     )
     up.add_argument("--nats", metavar="URL", help="use this NATS instead of starting one")
     up.add_argument(
@@ -103,13 +114,59 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     up.set_defaults(handler=run_up, daemon=True)
 
 
-def demo_spec() -> ClusterSpec:
+def demo_spec(name: str = DEMO_CLUSTER) -> ClusterSpec:
+    """The demo cluster `name` (one of DEMOS): its name is its model's."""
+    program = {
+        "echo": "gpumesh workload echo",  # = python -m nodeagent.workload.echo
+        "smollm2": "nodeagent.workload.llm --threads 2",  # = gpumesh workload llm
+        "embeddings": "nodeagent.workload.embeddings --threads 2",  # = gpumesh workload embeddings
+    }[name]
     return ClusterSpec(
-        name=DEMO_CLUSTER,
-        replicas=3,
-        model=DEMO_CLUSTER,
-        command=f"{sys.executable} -m gpumesh workload echo --port {{port}} --model {{model}}",
+        name=name,
+        replicas=3 if name == "echo" else 2,
+        model=name,
+        command=f"{sys.executable} -m {program} --port {{port}} --model {{model}}",
     )
+
+
+def demo_missing(name: str) -> str:
+    """'' when demo `name` can run here, else one line saying what to install."""
+    from nodeagent.workload.extras import (
+        EMBEDDINGS_RUNTIME,
+        LLM_RUNTIME,
+        SMOLLM2_WEIGHTS,
+        missing,
+    )
+
+    needs = {
+        "smollm2": (LLM_RUNTIME, SMOLLM2_WEIGHTS),
+        "embeddings": (EMBEDDINGS_RUNTIME,),
+    }.get(name, ())
+    lacking = missing(*needs)
+    if not lacking:
+        return ""
+    what = " and ".join(need.what for need in lacking)
+    how = " && ".join(dict.fromkeys(need.install for need in lacking))
+    return f"{what} not installed: run `{how}`"
+
+
+def choose_demo(asked: str | None) -> str | None:
+    """The demo to run for `--demo` as given (None: no demo); raises CommandFailed when a named
+    demo cannot run here, and says so when a bare --demo falls back to echo."""
+    from wire.errors import CommandFailed
+
+    if asked is None:
+        return None
+    if asked == _AUTO:
+        lacking = demo_missing("smollm2")
+        if lacking:
+            _progress(f"demo: SmolLM2's {lacking}; serving the echo demo instead")
+            return "echo"
+        return "smollm2"
+    lacking = demo_missing(asked)
+    if lacking:
+        raise CommandFailed(f"--demo {asked}: {lacking}")
+    return asked
 
 
 async def run_up(args: argparse.Namespace) -> int:
@@ -117,6 +174,7 @@ async def run_up(args: argparse.Namespace) -> int:
     from actors.controller import Controller, ControllerConfig
     from actors.health import HealthPolicy
     from actors.outbox import OutboxPublisher
+    from events.secret_store import SqliteSecretStore
     from events.sqlite_store import SqliteEventStore
     from runtime.real_env import real_env
     from runtime.shutdown import run_until_signal
@@ -126,6 +184,10 @@ async def run_up(args: argparse.Namespace) -> int:
     from wire.routing_log import ensure_routing_log
 
     if args.ha:
+        if args.demo not in (None, _AUTO, "echo"):
+            from wire.errors import CommandFailed
+
+            raise CommandFailed("--ha runs the echo demo only: --demo or --demo echo")
         from .up_ha import run_ha
 
         return await run_ha(args)
@@ -133,6 +195,7 @@ async def run_up(args: argparse.Namespace) -> int:
         from wire.errors import CommandFailed
 
         raise CommandFailed("--json goes with --ha (`gpumesh up` alone prints its summary as text)")
+    args.demo = choose_demo(args.demo)
     data_dir: Path = args.data_dir
     logs = data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -156,6 +219,7 @@ async def run_up(args: argparse.Namespace) -> int:
                 real_env(store, bus=bus),
                 commands,
                 ControllerConfig(health=policy, metrics=log_metrics),
+                secrets=SqliteSecretStore.beside(args.events_db),
             )
             outbox = OutboxPublisher(store, bus)
             stop = asyncio.Event()
@@ -230,7 +294,7 @@ async def _serve_stack(
                 metrics[f"node-{i}"] = f"http://127.0.0.1:{port}/metrics"
         await _wait_nodes(controller, args.nodes, stop, agents, logs)
         if args.demo and not stop.is_set():
-            await _demo(bus, controller, stop)
+            await _demo(bus, controller, stop, demo_spec(args.demo))
         _summary(args, url, controller, gateway.url if gateway else "", metrics)
         await stop.wait()
         say("stopping: the gateway, the agents (they stop their workloads), the controller")
@@ -429,10 +493,10 @@ async def _wait_nodes(
                 await stop.wait()
 
 
-async def _demo(bus: Any, controller: Any, stop: asyncio.Event) -> None:
-    if DEMO_CLUSTER not in controller.live.state.clusters.clusters:
+async def _demo(bus: Any, controller: Any, stop: asyncio.Event, spec: ClusterSpec) -> None:
+    if spec.name not in controller.live.state.clusters.clusters:
         raw = await bus.request(
-            subjects.api("cluster.create"), msgspec.json.encode(demo_spec()), timeout=30.0
+            subjects.api("cluster.create"), msgspec.json.encode(spec), timeout=30.0
         )
         reply = msgspec.json.decode(raw.data, type=ApiReply)
         if not reply.ok:
@@ -443,12 +507,12 @@ async def _demo(bus: Any, controller: Any, stop: asyncio.Event) -> None:
         ready = sum(
             1
             for r in controller.live.state.replicas.replicas.values()
-            if r.cluster == DEMO_CLUSTER and r.status == "ready"
+            if r.cluster == spec.name and r.status == "ready"
         )
         if ready != seen:
-            _progress(f"demo cluster '{DEMO_CLUSTER}': {ready}/3 replicas ready")
+            _progress(f"demo cluster '{spec.name}': {ready}/{spec.replicas} replicas ready")
             seen = ready
-        if ready >= 3:
+        if ready >= spec.replicas:
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(0.5):
@@ -519,7 +583,8 @@ def _summary(
     gateway_url: str,
     metrics: dict[str, str] | None = None,
 ) -> None:
-    routes = controller.live.state.routing.routes.get(DEMO_CLUSTER, ())
+    demo = args.demo or DEMO_CLUSTER
+    routes = controller.live.state.routing.routes.get(demo, ())
     lines = [
         "",
         "gpumesh is up.",
@@ -547,17 +612,9 @@ def _summary(
                 f'"Authorization: Bearer $(cat {shlex.quote(str(key))})"'
             )
     if gateway_url and args.demo:
-        lines.append(
-            f"  ask it:      curl -s {gateway_url}/v1/chat/completions -H "
-            '\'Content-Type: application/json\' -d \'{"model": "echo", "messages": '
-            '[{"role": "user", "content": "hello gpumesh"}]}\''
-        )
+        lines.append(f"  ask it:      curl -s {gateway_url}{_ask(demo)}")
     elif routes:
-        lines.append(
-            f"  a replica:   curl -s {routes[0].address}/v1/chat/completions -H "
-            '\'Content-Type: application/json\' -d \'{"model": "echo", "messages": '
-            '[{"role": "user", "content": "hello gpumesh"}]}\''
-        )
+        lines.append(f"  a replica:   curl -s {routes[0].address}{_ask(demo)}")
     if metrics:
         width = max(len(name) for name in metrics)
         labels = iter(["  metrics:     "])
@@ -568,6 +625,15 @@ def _summary(
         lines += [f"               {line}" for line in scrape_yaml(config)]
     lines.append("  stop:        Ctrl-C")
     print("\n".join(lines), flush=True)
+
+
+def _ask(demo: str) -> str:
+    """The rest of a curl line (after the base URL) that asks demo cluster `demo` something."""
+    if demo == "embeddings":
+        body = f'{{"model": "{demo}", "input": ["hello gpumesh", "bonjour gpumesh"]}}'
+        return f"/v1/embeddings -H 'Content-Type: application/json' -d '{body}'"
+    body = f'{{"model": "{demo}", "messages": [{{"role": "user", "content": "hello gpumesh"}}]}}'
+    return f"/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 async def _stop_agents(agents: list[asyncio.subprocess.Process], grace: float = 15.0) -> None:

@@ -1,5 +1,7 @@
-"""`gpumesh up --demo` as a user meets it: it comes up, says where everything is, the curl line
-it prints works through the gateway, and Ctrl-C stops every process it started, exit code 0."""
+"""`gpumesh up --demo echo` as a user meets it: it comes up, says where everything is, the curl
+line it prints works through the gateway, and Ctrl-C stops every process it started, exit code
+0. The real models' demos (`--demo`, `--demo smollm2`, `--demo embeddings`):
+tests/integration/test_real_models.py."""
 
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ async def test_up_demo_comes_up_serves_the_printed_curl_and_stops_on_sigint(
 ) -> None:
     data_dir = tmp_path / "stack"
     marker = f"demo-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    up = start_up(data_dir, marker, nodes=3, extra=["--demo"])
+    up = start_up(data_dir, marker, nodes=3, extra=["--demo", "echo"])
     try:
         summary = await asyncio.wait_for(asyncio.to_thread(read_summary, up), timeout=60)
         log = tmp_path / "up.log"
