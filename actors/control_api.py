@@ -42,6 +42,7 @@ from .cluster_actor import (
 )
 from .node_actor import Cordon, Drain, NotRemovable, Remove, Uncordon, Undrain
 from .scheduler import cordon_end, cordoned
+from .secret_keeper import SecretsUnavailable
 from .sharding import NoPlan, plan
 from .spec import SpecError, from_mapping
 
@@ -86,7 +87,7 @@ class ControlApi:
             if handler is None:
                 raise ClusterError(f"unknown API verb {verb!r}")
             reply = ApiReply(ok=True, data=await handler(msg.data))
-        except (ClusterError, SpecError, NotRemovable) as exc:
+        except (ClusterError, SpecError, NotRemovable, SecretsUnavailable) as exc:
             reply = ApiReply(ok=False, error=str(exc))
         except StoreFull as exc:
             # Reads go on; a write is refused whole (nothing of it was appended).
@@ -103,13 +104,13 @@ class ControlApi:
         return self.controller.live.state
 
     async def _create(self, body: bytes) -> Any:
-        spec = from_mapping(msgspec.json.decode(body))
+        spec = await self.controller.secrets.redact(from_mapping(msgspec.json.decode(body)))
         ref = await self.controller.cluster(spec.name)
         await ref.ask(Create(spec), timeout=30.0)
         return self._cluster(spec.name)
 
     async def _apply(self, body: bytes) -> Any:
-        spec = from_mapping(msgspec.json.decode(body))
+        spec = await self.controller.secrets.redact(from_mapping(msgspec.json.decode(body)))
         ref = await self.controller.cluster(spec.name)
         done = await ref.ask(Apply(spec), timeout=30.0, expect=Revised)
         return self._revised(spec.name, done)
@@ -122,6 +123,7 @@ class ControlApi:
             raise SpecError(f"weight: must be 1..99 (percent of the requests), got {req.weight}")
         self._known(req.name)
         spec = from_mapping({**req.spec, "name": req.spec.get("name", req.name)})
+        spec = await self.controller.secrets.redact(spec)
         if spec.name != req.name:
             raise SpecError(f"spec.name: {spec.name!r} is not the cluster {req.name!r}")
         view = self.state.clusters.clusters[req.name]
@@ -136,18 +138,22 @@ class ControlApi:
         if canary in self.state.clusters.clusters:
             raise ClusterError(f"a cluster named {canary!r} exists already: delete it first")
         replicas = max(1, math.ceil(view.spec.replicas * req.weight / 100))
-        # Its own model name (the canary's cluster name): clients reach it only by the split,
-        # or by naming it; no autoscaling of its own (its count follows the weight).
+        # The cluster's model name: the split hands the canary requests that name the
+        # cluster's model, and an engine started for another name would refuse them (vLLM's
+        # --served-model-name, the echo workload's --model). No autoscaling of its own: its
+        # count follows the weight.
         canary_spec = msgspec.structs.replace(
-            spec, name=canary, model="", replicas=replicas, autoscale=None
+            spec, name=canary, model=view.spec.model or req.name, replicas=replicas, autoscale=None
         )
-        await (await self.controller.cluster(canary)).ask(Create(canary_spec), timeout=30.0)
+        # The split first: from then on the canary's model name is known to be its cluster's
+        # (Controller._models), never a second way to name that model.
         ref = await self.controller.cluster(req.name)
+        await ref.ask(StartCanary(canary, req.weight), timeout=30.0)
         try:
-            await ref.ask(StartCanary(canary, req.weight), timeout=30.0)
-        except BaseException:
-            # Not recorded: the canary's cluster must not outlive the refusal.
-            await (await self.controller.cluster(canary)).ask(Delete(), timeout=30.0)
+            await (await self.controller.cluster(canary)).ask(Create(canary_spec), timeout=30.0)
+        except BaseException as exc:
+            why = f"its cluster could not be created: {exc}"
+            await ref.ask(EndCanary("aborted", why[:200]), timeout=30.0, expect=Revised)
             raise
         return self._cluster(req.name)
 

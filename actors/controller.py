@@ -36,11 +36,13 @@ from events.contract.messages import (
 )
 from events.controller import ControllerGrace, GraceReason
 from events.errors import EventStoreError
+from events.secret_store import MemorySecretStore, SecretStore
 from projections import FleetState
 from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import BusError, Env, Msg, RandomSource
 from runtime.supervision import SupervisionPolicy
 from runtime.system import ActorRef, ActorSystem
+from wire.sealing import EphemeralSource
 
 from .autoscaler import EVALUATE_EVERY_S, Autoscaler, Decision
 from .cluster_actor import Autoscale, ClusterActor, ClusterMsg, Reconcile
@@ -51,6 +53,7 @@ from .intake_limit import IntakeLimiter
 from .live_state import LiveState
 from .node_actor import Beat, Drain, Join, NodeActor, NodeMsg
 from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report, Suspect
+from .secret_keeper import SecretKeeper
 from .silence_watch import SilenceWatch
 
 if TYPE_CHECKING:
@@ -95,6 +98,8 @@ class Controller:
         *,
         state: FleetState | None = None,
         guard: LeaseGuard | None = None,
+        secrets: SecretStore | None = None,
+        ephemeral: EphemeralSource | None = None,
     ) -> None:
         """`state`: a fold of the log already made (a standby's), which `run` only brings up
         to date instead of rebuilding. `guard`: the leadership this controller runs under;
@@ -107,6 +112,13 @@ class Controller:
         in_term = _InTerm(commands, self.config.term) if self.config.term else commands
         self.commands = _Persistent(in_term, log=env.log)
         self.live = LiveState(env.store, state)
+        # Secret values live in `secrets`, never in the log (actors/secret_keeper.py). `ephemeral`:
+        # the sealing's one-time keys (None: from the OS; the simulator passes seeded ones).
+        self.secrets = SecretKeeper(
+            secrets if secrets is not None else MemorySecretStore(),
+            lambda node_id: self.live.state.nodes.nodes.get(node_id),
+            ephemeral=ephemeral,
+        )
         self.placement_lock = asyncio.Lock()
         self.dropped: Counter[str] = Counter()  # garbage and unroutable messages, by kind
         self._drop_logged: dict[str, tuple[float, int]] = {}  # kind -> (when, total then)
@@ -145,7 +157,7 @@ class Controller:
     async def replica(self, replica_id: str, spec: ClusterSpec | None) -> ActorRef[ReplicaMsg]:
         return await self._get_or_spawn(
             f"replica:{replica_id}",
-            lambda: ReplicaActor(replica_id, self.commands, spec),
+            lambda: ReplicaActor(replica_id, self.commands, spec, secrets=self.secrets),
             {"replica": replica_id},
         )
 
@@ -609,15 +621,23 @@ class Controller:
                 position=self.live.position,
                 routes=dict(self.live.state.routing.routes),
                 clusters=tuple(sorted(self.live.state.routing.live_clusters)),
-                models={
-                    view.spec.model: name
-                    for name, view in sorted(self.live.state.clusters.clusters.items())
-                    if view.spec.model and view.spec.model != name
-                },
+                models=self._models(),
                 cold_start=self._cold_start(),
                 splits=self._splits(),
             )
         )
+
+    def _models(self) -> dict[str, str]:
+        """The model names clients send -> their cluster, where a spec's `model` differs from
+        its name. A canary serves its cluster's model name (so that the engine takes the
+        requests the split hands it), and is left out: the name stays its cluster's."""
+        clusters = self.live.state.clusters.clusters
+        canaries = {view.canary for view in clusters.values() if view.canary}
+        return {
+            view.spec.model: name
+            for name, view in sorted(clusters.items())
+            if view.spec.model and view.spec.model != name and name not in canaries
+        }
 
     def _splits(self) -> dict[str, CanarySplit]:
         """Clusters with a canary running, and the share of their requests it takes."""

@@ -40,10 +40,11 @@ def test_a_canary_serves_beside_the_cluster_then_is_promoted() -> None:
             assert reply.ok, reply.error
             assert reply.data["canary"] == {"cluster": "llama-canary", "weight": 25}
             canary = f.state.clusters.clusters["llama-canary"]
-            # 25% of 3 replicas, rounded up; its own model name, no autoscaling.
+            # 25% of 3 replicas, rounded up; the cluster's model name, which stays the
+            # cluster's (the split alone hands the canary its share).
             assert (canary.spec.replicas, canary.spec.model, canary.spec.env) == (
                 1,
-                "",
+                "llama",
                 {"MODEL_REV": "2"},
             )
             await f.until(lambda: len(f.ready("llama-canary")) == 1, within=15, why="canary")
@@ -55,6 +56,7 @@ def test_a_canary_serves_beside_the_cluster_then_is_promoted() -> None:
                 within=10,
                 why="the split reaches gateways",
             )
+            assert all("llama" not in t.models for t in tables), "the model stayed llama's"
             assert recorded(f, ClusterCanaryStarted) == [
                 ClusterCanaryStarted(name="llama", canary="llama-canary", weight=25)
             ]
