@@ -31,6 +31,7 @@ from typing import Any, Literal, TypeVar
 
 from events.controller import LeaderTermBegan
 from events.errors import EventStoreError
+from events.secret_store import SecretStore
 from events.store import EventStore
 from projections import FleetState
 from projections.projector import ReadModelError, load_checkpoint, save_checkpoint
@@ -157,6 +158,7 @@ class ControllerProcess:
                 config,
                 state=state,
                 guard=self.leadership,
+                secrets=self._secret_store(),
             )
             self.controller = controller
             await controller.run(extra=[OutboxPublisher(guarded, self.bus).run])
@@ -173,6 +175,17 @@ class ControllerProcess:
             elif self.live is not None:
                 # The term's fold is still a fold of the log: stand by from where it is.
                 self._follow()
+
+    def _secret_store(self) -> SecretStore:
+        """Where secret values live (docs/security.md, Secrets): beside a SQLite log, in a
+        file of their own; with the log on JetStream, in the bucket every controller reaches."""
+        if self._store is None:
+            from events.secret_store import SqliteSecretStore
+
+            return SqliteSecretStore.beside(self.config.events_db)
+        from wire.secret_kv import JetStreamSecretStore
+
+        return JetStreamSecretStore(self.bus)
 
     async def _until_done(self, make: Callable[[], Awaitable[T]], what: str) -> T:
         """A setup step of the term, asked again while NATS cannot take it (a stream electing

@@ -336,6 +336,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             cuda_version=reg.cuda_version,
             agent_version=reg.agent_version,
             price_per_hour=reg.price_per_hour,
+            sealing_key=reg.sealing_key,
         )
         if self.state.registration != event or self.state.removed:
             await self.persist(ctx, [event])

@@ -32,6 +32,8 @@ from runtime.actor import ActorContext
 from runtime.command_queue import CommandQueue
 from runtime.event_sourced import EventSourcedActor
 
+from .secret_keeper import SecretKeeper, SecretsUnavailable
+
 ACTIVE: tuple[ReplicaStatus, ...] = ("placed", "starting", "ready")
 
 
@@ -97,10 +99,18 @@ def stop_command_id(replica_id: str, epoch: int) -> str:
 class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
     snapshot_type = SlotState
 
-    def __init__(self, replica_id: str, commands: CommandQueue, spec: ClusterSpec | None) -> None:
+    def __init__(
+        self,
+        replica_id: str,
+        commands: CommandQueue,
+        spec: ClusterSpec | None,
+        *,
+        secrets: SecretKeeper | None = None,
+    ) -> None:
         self.replica_id = replica_id
         self.commands = commands
         self.spec = spec
+        self.secrets = secrets  # seals a spec's secrets to the node (None: sends none)
         self._stream = stream_name("replica", replica_id)
 
     @property
@@ -139,7 +149,9 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
         if state.epoch == 0:
             return  # a new slot: nothing was ever sent
         if state.status in ("placed", "starting") and self.spec is not None:
-            await self._send_start(state)
+            why = await self._send_start(state)
+            if why:
+                await self._fail_unsent(ctx, state.epoch, why)
         elif state.status == "stopping":
             await self._send_stop(state.node_id, state.epoch, "stopping")
 
@@ -214,11 +226,25 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
             ],
         )
         ctx.log.info("replica_placed", node=msg.node_id, epoch=epoch, why=msg.why)
-        await self._send_start(self.state)
+        why = await self._send_start(self.state)
+        if why:
+            positions += await self._fail_unsent(ctx, epoch, why)
         return positions
 
-    async def _send_start(self, state: SlotState) -> None:
+    async def _send_start(self, state: SlotState) -> str:
+        """Send StartReplica; '' once sent, else why it cannot be (its secrets cannot go to
+        the node: an older agent would start the workload without them)."""
         assert self.spec is not None
+        sealed = None
+        if self.secrets is not None:
+            try:
+                sealed = await self.secrets.seal_for(
+                    state.node_id, self.replica_id, state.epoch, self.spec
+                )
+            except SecretsUnavailable as exc:
+                return exc.reason
+        elif self.spec.secret_env:
+            return "this controller was given no secret store: the secrets cannot be sent"
         await self.commands.send(
             state.node_id,
             StartReplica(
@@ -227,8 +253,17 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
                 epoch=state.epoch,
                 spec=self.spec,
                 gpu_indices=state.gpu_indices,
+                secrets=sealed,
             ),
         )
+        return ""
+
+    async def _fail_unsent(self, ctx: ActorContext[ReplicaMsg], epoch: int, why: str) -> list[int]:
+        ctx.log.warning("replica_not_started", epoch=epoch, why=why)
+        failed = ReplicaFailed(
+            replica_id=self.replica_id, epoch=epoch, reason="start_failed", detail=why
+        )
+        return await self.persist(ctx, [failed])
 
     async def _send_stop(self, node_id: str, epoch: int, reason: str) -> None:
         await self.commands.send(

@@ -382,6 +382,14 @@ def _filter(
                 f"label {key}={want} missing" if have is None else f"label {key}={have}, not {want}"
             )
             return _Reject(5, f"lacks labels {wanted}", f"lack labels {wanted}", detail)
+    if spec.secret_env and not node.sealing_key:
+        # An agent older than secret_env: it would start the workload without its secrets.
+        return _Reject(
+            5,
+            "has no sealing key for secret_env",
+            "have no sealing key for secret_env",
+            "no sealing key for secret_env (an older agent)",
+        )
     return _choose_gpus(node, need, taken)
 
 

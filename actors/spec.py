@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from typing import Any
 
@@ -10,6 +11,7 @@ import msgspec
 
 from events import AutoscaleSpec, ClusterSpec, ProbeSpec, ShardingSpec
 from events.ids import valid_id
+from events.secret_store import FILE_PREFIX, SECRET_PREFIX, is_file, is_reference
 
 from .errors import ControllerError
 from .sharding import BYTES_PER_PARAM, PARALLELISM
@@ -69,6 +71,7 @@ def validate(spec: ClusterSpec) -> None:
         if bad:
             raise SpecError(f"{field_name}: {why}")
     _validate_regions(spec.regions)
+    _validate_secret_env(spec)
     if spec.sharding is not None:
         _validate_sharding(spec.sharding)
     _validate_probes(spec.probes)
@@ -160,6 +163,25 @@ def _validate_sharding(s: ShardingSpec) -> None:
         seen.append(way)
     if "pipeline" in s.parallelism and s.layers == 0:
         raise SpecError("sharding.layers: required when parallelism allows pipeline")
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _validate_secret_env(spec: ClusterSpec) -> None:
+    """`secret_env`: variable names, not also in `env`; a value, a `secret:sha256:`
+    reference or `file:` and an absolute path on the node. Never quotes a value."""
+    for name, value in spec.secret_env.items():
+        if not _ENV_NAME.match(name):
+            raise SpecError(f"secret_env.{name}: not an environment variable name")
+        if name in spec.env:
+            raise SpecError(f"secret_env.{name}: also in env (give it in one of them)")
+        if not value:
+            raise SpecError(f"secret_env.{name}: empty")
+        if is_file(value) and not value.removeprefix(FILE_PREFIX).startswith("/"):
+            raise SpecError(f"secret_env.{name}: a file reference needs an absolute path")
+        if value.startswith(SECRET_PREFIX) and not is_reference(value):
+            raise SpecError(f"secret_env.{name}: a secret reference is secret:sha256:<64 hex>")
 
 
 def _validate_regions(regions: tuple[str, ...]) -> None:

@@ -19,6 +19,7 @@ from .codec import encode_envelope
 from .envelope import Envelope, Undecodable
 from .errors import LogNotFound
 from .replica import Candidate
+from .secret_store import SENSITIVE_NAME
 from .synthetic import fleet_history
 
 POLL_SECONDS = 0.2  # another process owns the log, so following it means polling the file
@@ -80,6 +81,23 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     )
     compact.add_argument("--json", action="store_true")
     compact.set_defaults(handler=compact_events)
+
+    redact = commands.add_parser(
+        "redact",
+        parents=list(parents),
+        help="move secrets written in clear in stored specs' env to secret_env references",
+        description="Rewrite every stored cluster spec whose env has names that look like "
+        "secrets (TOKEN, SECRET, KEY, PASSWORD, any case): each moves to secret_env as a "
+        "reference, its value to the secret store beside the log. Keeps a copy of the log "
+        "first (it holds the values in clear: delete it once satisfied). Stop the controller "
+        "first. Values already read from the log (the JetStream event stream, read models, "
+        "backups) are not reached: rotate those secrets.",
+    )
+    redact.add_argument(
+        "--dry-run", action="store_true", help="say what would change; write nothing"
+    )
+    redact.add_argument("--json", action="store_true", help="the report as one JSON object")
+    redact.set_defaults(handler=redact_events)
 
 
 async def _open(path: Path, *, create: bool = False) -> Any:
@@ -160,6 +178,10 @@ def _summarise(fields: dict[str, Any]) -> str:
     for key, value in fields.items():
         if value in ("", (), {}, None):
             continue
+        if key == "env" and isinstance(value, dict):
+            # A log older than secret_env may hold secrets here: never print what looks like
+            # one (`gpumesh events redact` takes them out of the log).
+            value = {k: "<redacted>" if SENSITIVE_NAME.search(k) else v for k, v in value.items()}
         if isinstance(value, tuple | list | dict) and not all(
             isinstance(v, str | int | float) for v in value
         ):
@@ -281,4 +303,27 @@ async def compact_events(args: argparse.Namespace) -> int:
         print(msgspec.json.encode({"removed": removed, "seconds": round(elapsed, 3)}).decode())
     else:
         print(f"removed {removed} heartbeats older than {args.older_than:g} s in {elapsed:.2f} s")
+    return 0
+
+
+async def redact_events(args: argparse.Namespace) -> int:
+    from .redact import redact_log
+
+    stamp = datetime.now(tz=UTC).strftime("%Y%m%dT%H%M%SZ")
+    report = await asyncio.to_thread(
+        redact_log, Path(args.events_db), stamp=stamp, dry_run=args.dry_run
+    )
+    if args.json:
+        print(msgspec.json.encode(report.as_json()).decode())
+        return 0
+    for change in report.changes:
+        print(("would change: " if report.dry_run else "") + change.line())
+    if not report.changes:
+        print(f"no stored spec of {report.log} has an env entry that looks like a secret")
+    elif not report.dry_run:
+        print(
+            f"rewrote {len(report.changes)} stored specs; values in {report.secrets}; "
+            f"the log as it was in {report.backup} (it holds the values in clear: delete it "
+            "once satisfied, and rotate the secrets: they were readable before)"
+        )
     return 0

@@ -106,6 +106,13 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # Sizing from load (the `[autoscale]` section). Added after v1: older logs decode with None,
     # which scales by hand only.
     autoscale: AutoscaleSpec | None = None
+    # Environment variables whose values are secret (docs/security.md, Secrets). In a stored
+    # or sent spec each value is a reference, never the value: `secret:sha256:<hex>` (the value
+    # is in the controller's secret store, keyed by that digest, and reaches the node sealed to
+    # its key) or `file:/path` (read by the agent on the node at start). The value a user
+    # writes inline is replaced by its reference before anything is recorded. Added after v1:
+    # older logs decode with none.
+    secret_env: dict[str, str] = {}
 
 
 class ClusterCreated(

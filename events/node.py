@@ -60,6 +60,9 @@ class NodeRegistered(
     cuda_version: str = ""
     agent_version: str = ""
     price_per_hour: float = 0.0
+    # The node's X25519 public key (base64) that secrets are sealed to; "" for an agent older
+    # than `secret_env` (and in every row written before it), which is sent no secrets.
+    sealing_key: str = ""
 
 
 class NodeHeartbeat(

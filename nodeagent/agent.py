@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from functools import partial
 from typing import Any, cast
 
 import msgspec
 
+from events.cluster import ClusterSpec
 from events.contract import subjects
 from events.contract.messages import (
     Fault,
@@ -32,9 +34,11 @@ from events.contract.messages import (
     StopReplica,
 )
 from events.node import GpuMetrics
+from events.secret_store import FILE_PREFIX, is_file
 from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import BusError, Env, Msg, NoResponders, RequestTimeout, is_no_responders
 from wire.errors import WireError
+from wire.sealing import NodeKey, SealingError, aad, open_sealed
 
 from .config import AgentConfig
 from .fencing_front import DirectFront, front_path
@@ -42,7 +46,7 @@ from .gpu.probe import FaultInjectable, GpuProbe, ProbeError
 from .metrics import AgentCounters
 from .replica import ReplicaRunner, http_address
 from .tunnel import TunnelServer
-from .workload.base import WorkloadDriver
+from .workload.base import WorkloadDriver, WorkloadStartError
 
 _REGISTER_REPLY = msgspec.json.Decoder(RegisterReply)
 _LEAVING_REPLY = msgspec.json.Decoder(LeavingReply)
@@ -88,11 +92,15 @@ class Agent:
         config: AgentConfig,
         *,
         read_lease: LeaseReader | None = None,
+        key: NodeKey | None = None,
     ) -> None:
         """`read_lease`: the leader lease's record now, read through the lease stream's
         leader (wire/lease_read.py; None when nobody holds it). With it, an agent whose
         controller stopped answering and stopped renewing keeps its lease (the stalled
-        leader, below); without it, only "no responders" does that."""
+        leader, below); without it, only "no responders" does that. `key`: the node's
+        X25519 key pair, which the controller seals a replica's secrets to (wire/sealing.py);
+        without one the agent registers as an older agent, and is sent no secrets."""
+        self.key = key
         self._env = env.bind(node=config.node_id)
         self._read_lease = read_lease
         self._log: Any = self._env.log
@@ -267,6 +275,7 @@ class Agent:
             agent_version=cfg.agent_version,
             price_per_hour=cfg.price_per_hour,
             replicas=self.replicas(),
+            sealing_key=self.key.public if self.key is not None else "",
         )
         subject = subjects.register(cfg.node_id)
         try:
@@ -606,6 +615,7 @@ class Agent:
             publish=self._report,
             advertise=advertise,
             leased=self.wait_for_lease,
+            prepare=partial(self._with_secrets, command) if command.spec.secret_env else None,
         )
         self._runners[key] = runner
         self._tasks[key] = self._group.create_task(
@@ -613,6 +623,30 @@ class Agent:
         )
         log.info("replica_start", gpus=command.gpu_indices, cluster=command.spec.name)
         await runner.launched.wait()
+
+    def _with_secrets(self, command: StartReplica) -> ClusterSpec:
+        """The spec the workload gets: `secret_env` holding the values (opened from the
+        command's sealed box, or read from the node's files), for its environment only. This
+        spec never leaves the node: it is given to the driver and nothing else."""
+        spec = command.spec
+        if self.key is None:
+            raise SecretError("this agent has no sealing key: it cannot take secret_env")
+        opened: dict[str, str] = {}
+        if command.secrets is not None:
+            where = aad(self.config.node_id, command.replica_id, command.epoch)
+            try:
+                opened = open_sealed(self.key.private, command.secrets, where)
+            except SealingError as exc:
+                raise SecretError(f"secret_env: {exc.reason}") from None
+        values: dict[str, str] = {}
+        for name, ref in spec.secret_env.items():
+            if is_file(ref):
+                values[name] = read_secret_file(name, ref)  # small, local: read at once
+            elif name in opened:
+                values[name] = opened[name]
+            else:
+                raise SecretError(f"secret_env.{name}: the command carries no value for it")
+        return msgspec.structs.replace(spec, secret_env=values)
 
     async def _stop(self, command: StopReplica, log: Any) -> None:
         key = (command.replica_id, command.epoch)
@@ -720,6 +754,23 @@ class Agent:
             return FaultReply(ok=False, error=str(exc))
         self._log.warning("fault_injected", kind=fault.kind, value=fault.value, gpu=fault.gpu)
         return FaultReply(ok=True)
+
+
+class SecretError(WorkloadStartError):
+    """A replica's secrets cannot be had on this node: one line, no value in it."""
+
+
+def read_secret_file(name: str, ref: str) -> str:
+    """A `file:` reference's value: the file's text, one trailing newline dropped."""
+    path = ref.removeprefix(FILE_PREFIX)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except OSError as exc:
+        raise SecretError(f"secret_env.{name}: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SecretError(f"secret_env.{name}: {path} is not UTF-8 text") from None
+    return text.removesuffix("\n")
 
 
 class _Left(Exception):

@@ -297,6 +297,7 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
     from wire.nats_access import CredentialsError
     from wire.nats_bus import BusUnavailable, NatsBus
     from wire.nats_commands import JetStreamCommandQueue
+    from wire.sealing import NodeKey, SealingError
 
     from .agent import Agent
     from .metrics import run_agent as run_with_metrics
@@ -314,7 +315,14 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
         commands = await JetStreamCommandQueue.create(bus, manage_stream=False)
         # The agent keeps no events of its own; the Env's store is a placeholder.
         env = real_env(MemoryEventStore(), bus=bus)
-        agent = Agent(env, commands, probe, driver, config, read_lease=partial(read_lease, bus))
+        # The node's sealing key pair, made on first start: secrets reach it sealed to it.
+        data_dir = Path(getattr(args, "data_dir", None) or ".")
+        key = await asyncio.to_thread(
+            NodeKey.load_or_create, NodeKey.path(data_dir, config.node_id)
+        )
+        agent = Agent(
+            env, commands, probe, driver, config, read_lease=partial(read_lease, bus), key=key
+        )
         bus.add_reconnect_callback(agent.on_reconnect)
         leaves = config.leave_grace_s > 0
         revoked = await run_until_signal(
@@ -325,6 +333,9 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
         )
     except BusError as exc:
         _error(f"NATS at {url}: {exc}")
+        return 1
+    except SealingError as exc:
+        _error(exc.reason)
         return 1
     finally:
         await bus.close()

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from events.cluster import ClusterSpec
 from events.contract.messages import ReplicaRunState, ReplicaState, StartReplica
 from runtime.env import Env
 from runtime.supervision import CrashWindow
@@ -38,10 +39,15 @@ class ReplicaRunner:
         publish: Publish,
         advertise: str = "",
         leased: LeaseWait = _no_lease_needed,
+        prepare: Callable[[], ClusterSpec] | None = None,
     ) -> None:
         """`advertise`: the address to report instead of the workload's own (the node's
         front, which fences it). `leased`: returns once the node's lease covers this replica
-        (or gives up waiting), so it is not reported ready while its node would refuse it."""
+        (or gives up waiting), so it is not reported ready while its node would refuse it.
+        `prepare`: what the driver runs, made before each launch when not the command's
+        spec (its secrets resolved, on this node only); a WorkloadStartError from it is a
+        failed start, restarted with back-off like any other (a secret file may appear)."""
+        self._prepare = prepare
         self.key = (command.replica_id, command.epoch)
         self._advertise = advertise
         self._command = command
@@ -115,8 +121,9 @@ class ReplicaRunner:
         """Launch once and watch until the workload ends; nothing of it is left running after."""
         c = self._command
         try:
+            spec = self._prepare() if self._prepare is not None else c.spec
             workload = await self._driver.start(
-                c.replica_id, c.epoch, c.spec, c.gpu_indices, self._port
+                c.replica_id, c.epoch, spec, c.gpu_indices, self._port
             )
         except (WorkloadStartError, OSError) as exc:
             self._log.warning("replica_launch_failed", error=str(exc))

@@ -45,6 +45,7 @@ def apply(state: NodeRegistry, envelope: Envelope) -> NodeRegistry:
                 driver_version=reg.driver_version,
                 cuda_version=reg.cuda_version,
                 price_per_hour=reg.price_per_hour,
+                sealing_key=reg.sealing_key,
                 # A re-registration (agent restart) keeps the verdicts already reached.
                 health=previous.health if previous else "healthy",
                 health_reason=previous.health_reason if previous else "registered",

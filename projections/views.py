@@ -26,6 +26,7 @@ class NodeView(msgspec.Struct, kw_only=True):
     driver_version: str = ""
     cuda_version: str = ""
     price_per_hour: float = 0.0
+    sealing_key: str = ""  # the key secrets are sealed to; "": an agent that takes none
     health: HealthState = "healthy"
     health_reason: str = "registered"
     health_detail: str = ""

@@ -144,3 +144,38 @@ def test_a_node_may_read_the_lease_and_not_write_it() -> None:
     for other in ("DELETE", "PURGE", "UPDATE", "MSG.DELETE"):
         subject = f"$JS.API.STREAM.{other}.{subjects.LEADER_STREAM}"
         assert not any(subject_matches(p, subject) for p in allowed.publish), subject
+
+
+def _secret_subjects() -> list[str]:
+    """Every way to the controllers' secret bucket: its KV subjects, and the JetStream API on
+    the stream under it (reads, consumers, changes)."""
+    from wire.secret_kv import BUCKET, STREAM
+
+    key = f"$KV.{BUCKET}.0123abcd"
+    api = [
+        f"$JS.API.STREAM.{verb}.{STREAM}"
+        for verb in ("INFO", "MSG.GET", "CREATE", "UPDATE", "DELETE", "PURGE", "MSG.DELETE")
+    ]
+    return [
+        key,
+        f"$KV.{BUCKET}.>",
+        f"$JS.API.DIRECT.GET.{STREAM}",
+        f"$JS.API.DIRECT.GET.{STREAM}.{key}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}",
+        f"$JS.API.CONSUMER.CREATE.{STREAM}.c.{key}",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{STREAM}.c",
+        f"$JS.API.CONSUMER.MSG.NEXT.{STREAM}.c",
+        *api,
+    ]
+
+
+@pytest.mark.parametrize("role", ["node", "gateway", "integrator"])
+def test_only_the_controller_roles_reach_the_secret_bucket(role: str) -> None:
+    allowed = permissions(role, "x")  # type: ignore[arg-type]
+    assert allowed is not None
+    for subject in _secret_subjects():
+        assert not any(subject_matches(p, subject) for p in allowed.publish), (role, subject)
+        assert not any(subject_matches(p, subject) for p in allowed.subscribe), (role, subject)
+    # The controller (and the operator's admin) reach everything: they run the control plane.
+    assert permissions("controller", "controller") is None
+    assert permissions("admin", "admin") is None

@@ -46,6 +46,9 @@ class Register(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ta
     agent_version: str = ""
     price_per_hour: float = 0.0
     replicas: tuple[ReplicaState, ...] = ()  # what it runs now, so the controller reconciles
+    # The node's X25519 public key (32 bytes, base64), which secrets are sealed to
+    # (SealedSecrets). Absent: an agent older than `secret_env`, which is sent no secrets.
+    sealing_key: str = ""
 
 
 class RegisterReply(
@@ -114,6 +117,16 @@ class ReplicaReport(
     replica: ReplicaState
 
 
+class SealedSecrets(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The values of a StartReplica's `secret:` references, sealed to the node's key
+    (wire/sealing.py; docs/security.md, Secrets): X25519 between `ephemeral_key` (used for
+    this message only) and the node's key, HKDF-SHA256, ChaCha20-Poly1305 over the JSON
+    `{name: value}`, with the node, replica and epoch as associated data."""
+
+    ephemeral_key: str  # base64 of the sender's one-time X25519 public key (32 bytes)
+    ciphertext: str  # base64 of the ChaCha20-Poly1305 ciphertext, its 16-byte tag at the end
+
+
 class StartReplica(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cmd.start.v1"
 ):
@@ -126,6 +139,9 @@ class StartReplica(
     # The leadership term of the controller that sent it (0: one that holds no lease). An
     # agent drops a command from a term older than one it has seen: a deposed leader's.
     term: int = 0
+    # The values of the spec's `secret:` references, sealed to this node's key; absent when
+    # the spec has none (its `file:` references the agent reads itself).
+    secrets: SealedSecrets | None = None
 
 
 class StopReplica(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cmd.stop.v1"):

@@ -71,7 +71,9 @@ class WorkloadDriver(Protocol):
         port: int,
     ) -> RunningWorkload:
         """Launch, without waiting for readiness. `port` 0: the spec's port, else a free one.
-        Raises WorkloadStartError when it cannot be launched."""
+        `spec.secret_env` holds values here, not references (the agent resolved them): they
+        go into the workload's environment and nowhere else, never onto a command line or
+        into a log. Raises WorkloadStartError when it cannot be launched."""
         ...
 
 

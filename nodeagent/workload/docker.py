@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,10 @@ def docker_run_argv(
     argv += ["-p", f"{host}:{host_port}:{container_port}"]
     for key, value in spec.env.items():
         argv += ["-e", f"{key}={value}"]
+    # A secret's value is not put on the command line (every local user may read it there):
+    # `-e NAME` alone, and docker takes the value from its own environment (DockerDriver.start).
+    for key in spec.secret_env:
+        argv += ["-e", key]
     argv.append(spec.image)
     if spec.command:
         # Inside the container the passed-through GPUs are numbered from 0 again.
@@ -162,7 +167,8 @@ class DockerDriver:
         )
         try:
             # No timeout: `docker run` pulls the image first, which can take long.
-            code, out, err = await _run(*argv, timeout=None)
+            secrets = {**os.environ, **spec.secret_env} if spec.secret_env else None
+            code, out, err = await _run(*argv, timeout=None, env=secrets)
         except FileNotFoundError:
             raise WorkloadStartError(f"docker is not installed ({self.docker!r})") from None
         if code != 0:
@@ -261,12 +267,15 @@ class DockerWorkload:
         return WorkloadEnded("stopped", code)
 
 
-async def _run(*argv: str, timeout: float | None = _CLI_TIMEOUT_S) -> tuple[int, str, str]:
+async def _run(
+    *argv: str, timeout: float | None = _CLI_TIMEOUT_S, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
     try:
         async with asyncio.timeout(timeout):

@@ -69,6 +69,7 @@ class ProcessDriver:
         env = {
             **os.environ,
             **spec.env,
+            **spec.secret_env,  # the values, resolved by the agent (Agent._with_secrets)
             "CUDA_VISIBLE_DEVICES": ids,
             "GPUMESH_REPLICA_ID": replica_id,
             "GPUMESH_EPOCH": str(epoch),

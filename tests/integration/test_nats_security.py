@@ -290,3 +290,28 @@ async def test_a_gateway_reads_the_last_routing_table_and_no_other_stream(
             await gateway.jetstream().get_last_msg(subjects.COMMANDS_STREAM, "x")
     finally:
         await gateway.close()
+
+
+async def test_only_the_controller_reads_the_secret_bucket(
+    server: EmbeddedNats, connect: Connect, layout: SecurityLayout
+) -> None:
+    """The controllers' secret store (wire/secret_kv.py): the controller writes and reads it;
+    a node, a gateway and an integrator can neither read a value nor open the bucket."""
+    from events.secret_store import SecretStoreError, reference
+    from wire.secret_kv import BUCKET, STREAM, JetStreamSecretStore
+
+    controller = await connect("controller")
+    store = JetStreamSecretStore(controller)
+    await store.put(reference("hf_value"), "hf_value")
+    assert await store.get(reference("hf_value")) == "hf_value"
+    assert await JetStreamSecretStore(controller).get(reference("other")) is None
+    gateway = await _new_identity(server, layout, "gw-3", "gateway")
+    try:
+        for bus in (await connect("node-a"), gateway, await connect("analytics")):
+            with pytest.raises(SecretStoreError):
+                await JetStreamSecretStore(bus, timeout=1.0).get(reference("hf_value"))
+            js = bus.jetstream(timeout=1.0)
+            with pytest.raises((BusError, nats.errors.Error)):
+                await js.get_last_msg(STREAM, f"$KV.{BUCKET}.{reference('hf_value')[14:]}")
+    finally:
+        await gateway.close()
