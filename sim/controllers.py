@@ -240,7 +240,14 @@ class Controllers:
         )
         config = ControllerConfig(controller_id=process.name, term=term)
         commands = FencedCommands(ProcessQueue(world.queue, process), process.leadership)
-        controller = Controller(env, commands, config, guard=process.leadership)
+        controller = Controller(
+            env,
+            commands,
+            config,
+            guard=process.leadership,
+            secrets=world.secrets,
+            ephemeral=world.sealing,
+        )
         process.controller, process.term = controller, term
         world.controller = controller
         self.first_leader.set()

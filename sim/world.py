@@ -18,12 +18,14 @@ from typing import Any, TypeVar
 
 import msgspec
 import structlog
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from prometheus_client import CollectorRegistry
 
 from actors.controller import Controller, ControllerConfig
 from events import ClusterSpec, GpuRequirement, MemoryEventStore
 from events.contract import subjects
 from events.contract.messages import ApiReply, Command, RouteEntry, ScaleRequest
+from events.secret_store import MemorySecretStore
 from gateway.dispatch import AttemptsExhausted, Dispatcher, NoReadyReplica, UnknownCluster
 from gateway.feed import RoutingFeed
 from gateway.instruments import Instruments
@@ -38,6 +40,7 @@ from nodeagent.gpu import FakeGpuProbe
 from nodeagent.workload.fake import FakeDriver
 from runtime.command_queue import Delivery
 from runtime.env import Bus, Env, RandomSource
+from wire.sealing import NodeKey, deterministic_ephemeral
 
 from .buggify import Buggify
 from .clients import TRAFFIC_AFTER_S, cluster_spec, shaped_traffic
@@ -172,6 +175,10 @@ class World:
         self.buggify = Buggify(seed, enabled=scenario.buggify)
         self.store = MemoryEventStore()
         self.queue = MemoryCommandQueue()
+        # The controllers' secret store, shared as the JetStream bucket is: a successor seals
+        # what its predecessor stored. One-time sealing keys from the seed (never the OS).
+        self.secrets = MemorySecretStore()
+        self.sealing = deterministic_ephemeral(seeded_bytes(self.derive("sealing")))
         self.nodes: dict[str, SimNode] = {}
         self.requests: dict[str, RequestLog] = {}
         self.timeline: list[str] = []
@@ -322,7 +329,13 @@ class World:
     def start_controller(self) -> None:
         if self._tasks is not None and self.controller is not None:
             self.checker.controller_up(self.now())
-        self.controller = Controller(self.env("controller"), self.queue, ControllerConfig())
+        self.controller = Controller(
+            self.env("controller"),
+            self.queue,
+            ControllerConfig(),
+            secrets=self.secrets,
+            ephemeral=self.sealing,
+        )
         self._controller_task = self.spawn(
             self.controller.run(), "controller", context=process_context("controller")
         )
@@ -381,8 +394,18 @@ class World:
                 node.node_id,
                 self.derive(f"lease:{node.node_id}:{node.incarnation}"),
             )
+        # The node's key pair, the same in every incarnation (it is kept on the node's disk).
+        key = X25519PrivateKey.from_private_bytes(
+            seeded_bytes(self.derive(f"node-key:{node.node_id}"))(32)
+        )
         node.agent = Agent(
-            env, node.commands, node.probe, node.driver, config, read_lease=read_lease
+            env,
+            node.commands,
+            node.probe,
+            node.driver,
+            config,
+            read_lease=read_lease,
+            key=NodeKey(key),
         )
         node.bus = self.network.endpoint(node.node_id)  # a fresh one after power loss
         node.bus.add_reconnect_callback(node.agent.on_reconnect)
@@ -555,3 +578,8 @@ def draw_victims(
     order = list(range(len(candidates)))
     rng.shuffle(order)
     return [candidates[i] for i in sorted(order[:count])]
+
+
+def seeded_bytes(rng: RandomSource) -> Callable[[int], bytes]:
+    """`n` bytes at a time from a seeded source: the simulator's keys, repeatable by seed."""
+    return lambda n: rng.getrandbits(8 * n).to_bytes(n, "little")
