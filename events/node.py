@@ -15,12 +15,24 @@ HealthReason = Literal[
     "recovered",  # the condition that changed health has cleared
     "missed_heartbeats",  # suspect/offline from silence
     "thermal",  # temperature over the threshold (degraded, with hysteresis)
+    # The clocks held down by a hardware slowdown, power brake or thermal slowdown (degraded,
+    # with hysteresis). Added to v1 later, as "suspect" was: older readers keep such a row as
+    # undecodable rather than misread it.
+    "throttle",
     "ecc",  # uncorrectable ECC errors
     "xid",  # XID errors reported by the driver
     "driver",  # the GPU probe itself fails
     "partition",  # reachable by some parties and not others
     "gateway_suspicion",  # a gateway ejected the node's replicas
 ]
+
+
+# Clock event ("throttle") reasons that mean the hardware, not the workload, holds a GPU's
+# clocks down: they degrade a node (actors/health.py). The others NVML gives (gpu_idle,
+# sw_power_cap, applications_clocks_setting, sync_boost, display_clock_setting) are normal.
+SLOWDOWN_REASONS = frozenset(
+    {"hw_slowdown", "hw_thermal_slowdown", "hw_power_brake_slowdown", "sw_thermal_slowdown"}
+)
 
 
 class GpuInfo(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -41,9 +53,24 @@ class GpuMetrics(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     memory_used_mib: int = 0
     memory_total_mib: int = 0
     ecc_uncorrected: int = 0
-    xid_errors: int = 0
+    xid_errors: int = 0  # XID events since the agent opened the driver (all of them)
     throttle_reasons: tuple[str, ...] = ()
     power_w: float = 0.0
+    # Added to v1 later, each with a default, so every heartbeat written before still decodes
+    # (docs/gpus.md says what each means and which make a node unhealthy):
+    # the XID codes among `xid_errors`, distinct, ascending; () from an agent that counts
+    # XIDs without naming them.
+    xids: tuple[int, ...] = ()
+    # Readings in a row, this one included, with no slowdown among `throttle_reasons`
+    # (the agent counts, since it sees every reading); 0 from an agent that does not count.
+    unthrottled_readings: int = 0
+    # Memory the driver took out of use after errors (pre-A100 cards retire pages, A100 and
+    # later remap rows); 0/False where the card does neither (most consumer cards).
+    retired_pages: int = 0
+    retired_pages_pending: bool = False  # a page waits for a GPU reset to be retired
+    remapped_rows: int = 0
+    row_remap_pending: bool = False  # a row waits for a GPU reset to be remapped
+    row_remap_failed: bool = False  # a row could not be remapped: no spare rows left
 
 
 class NodeRegistered(

@@ -130,7 +130,9 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         parents=list(parents),
         help="inject a fault into an agent's fake GPUs",
         description="Drive a --fake-gpus agent's GPUs: thermal VALUE sets the temperature (C); "
-        "driver makes the probe fail; ecc/xid add VALUE errors (default 1); clear resets all.",
+        "driver makes the probe fail; ecc adds VALUE errors (default 1); xid reports XID VALUE "
+        "(default 79, fallen off the bus; 13, 31, 43 and 45 are an application's and leave the "
+        "node healthy: docs/gpus.md); clear resets all.",
     )
     fault.add_argument("node", help="the agent's node id")
     fault.add_argument("kind", choices=FAULT_KINDS)

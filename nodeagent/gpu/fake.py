@@ -1,7 +1,8 @@
 """Fake GPUs declared on the command line (`--fake-gpus RTX4090:24GiB:2`), with fault switches.
 
-They let a laptop join a fleet and let chaos tests make a GPU overheat, lose its driver or
-report ECC and XID errors (through the agent's fault subject) without any hardware.
+They let a laptop join a fleet and let chaos tests make a GPU overheat, lose its driver,
+report ECC errors and XIDs by code, or hold its clocks down (through the agent's fault subject,
+or the methods here) without any hardware.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,7 +19,8 @@ from events.node import GpuInfo, GpuMetrics
 from runtime.env import RandomSource
 from runtime.real_env import seeded_rng_factory
 
-from .probe import Inventory, ProbeError
+from .nvml import throttle_names
+from .probe import CleanReadings, Inventory, ProbeError
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)(TiB|TB|T|GiB|GB|G|MiB|MB|M)$", re.IGNORECASE)
 _MIB_PER_UNIT = {"t": 1024 * 1024, "g": 1024, "m": 1}
@@ -120,7 +123,10 @@ class FakeGpuProbe:
     def _metrics(self, gpu: GpuInfo) -> GpuMetrics:
         temperature = self._temperature[gpu.index]
         utilization = round(self._rng.uniform(0.0, 3.0), 1)
-        throttle = ("sw_thermal_slowdown",) if temperature >= self.SLOWDOWN_TEMPERATURE_C else ()
+        throttle = self._throttle[gpu.index]
+        if temperature >= self.SLOWDOWN_TEMPERATURE_C and "sw_thermal_slowdown" not in throttle:
+            throttle = (*throttle, "sw_thermal_slowdown")
+        xids = self._xid[gpu.index]
         return GpuMetrics(
             index=gpu.index,
             temperature_c=temperature,
@@ -128,9 +134,11 @@ class FakeGpuProbe:
             memory_used_mib=0,
             memory_total_mib=gpu.vram_mib,
             ecc_uncorrected=self._ecc[gpu.index],
-            xid_errors=self._xid[gpu.index],
+            xid_errors=xids.total(),
             throttle_reasons=throttle,
             power_w=self.IDLE_POWER_W,
+            xids=tuple(sorted(xids)),
+            unthrottled_readings=self._clean.count(gpu.index, throttle),
         )
 
     # Fault switches.
@@ -147,21 +155,42 @@ class FakeGpuProbe:
     def add_ecc(self, n: int = 1, gpu: int = -1) -> None:
         self._add(self._ecc, n, gpu, "ECC error count")
 
-    def add_xid(self, n: int = 1, gpu: int = -1) -> None:
-        self._add(self._xid, n, gpu, "XID error count")
+    def add_xid(self, code: int = 79, gpu: int = -1, times: int = 1) -> None:
+        """The driver reports XID `code` (79: fallen off the bus) `times` times, as NVML's
+        event set would: kept until `clear`, like the NVML probe keeps them."""
+        if not 1 <= code <= 0xFFFF:
+            raise ValueError(f"an XID code is a whole number from 1, got {code}")
+        if times < 1:
+            raise ValueError(f"XIDs to add must be at least 1, got {times}")
+        for index in self._targets(gpu):
+            self._xid[index][code] += times
+
+    def set_throttle(self, reasons: int | Sequence[str], gpu: int = -1) -> None:
+        """Hold the clocks down for `reasons` (NVML's names, or its bit mask: 0x8 is
+        hw_slowdown) until `clear` or a call with none."""
+        names = throttle_names(reasons) if isinstance(reasons, int) else tuple(reasons)
+        known = throttle_names(-1)
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ValueError(f"unknown throttle reason {unknown[0]!r} (known: {', '.join(known)})")
+        for index in self._targets(gpu):
+            self._throttle[index] = names
 
     def clear(self) -> None:
-        """Back to healthy idle GPUs: temperatures, driver, ECC and XID counters all reset
-        (as after a driver reload, which clears the volatile counters)."""
+        """Back to healthy idle GPUs: temperatures, driver, ECC and XID counters and throttle
+        reasons all reset (as after a GPU reset, which clears the volatile counters)."""
         count = len(self._gpus)
         self._temperature = [self.IDLE_TEMPERATURE_C] * count
         self._ecc = [0] * count
-        self._xid = [0] * count
+        self._xid: list[Counter[int]] = [Counter() for _ in range(count)]
+        self._throttle: list[tuple[str, ...]] = [()] * count
         self._driver_error = False
+        self._clean = CleanReadings()
 
     def apply_fault(self, fault: Fault) -> None:
         """`thermal` sets the temperature to `value`; `driver` makes sampling fail until
-        `clear`; `ecc`/`xid` add `value` errors (1 if 0); `gpu` -1 means every GPU."""
+        `clear`; `ecc` adds `value` errors (1 if 0); `xid` reports XID `value` once (79 if
+        0); `gpu` -1 means every GPU."""
         match fault.kind:
             case "thermal":
                 self.set_temperature(fault.value, fault.gpu)
@@ -171,7 +200,7 @@ class FakeGpuProbe:
             case "ecc":
                 self.add_ecc(_count(fault.value), fault.gpu)
             case "xid":
-                self.add_xid(_count(fault.value), fault.gpu)
+                self.add_xid(_count(fault.value, default=79), fault.gpu)
             case "clear":
                 self.clear()
 
@@ -193,7 +222,7 @@ class FakeGpuProbe:
         )
 
 
-def _count(value: float) -> int:
+def _count(value: float, *, default: int = 1) -> int:
     if not math.isfinite(value) or value < 0 or value != int(value):
         raise ValueError(f"an error count must be a whole number, got {value:g}")
-    return int(value) or 1
+    return int(value) or default

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from events.contract.messages import Fault
-from events.node import GpuInfo, GpuMetrics
+from events.node import SLOWDOWN_REASONS, GpuInfo, GpuMetrics
 from nodeagent.errors import AgentError
 
 
@@ -30,6 +30,24 @@ class Inventory:
     gpus: tuple[GpuInfo, ...]
     driver_version: str = ""
     cuda_version: str = ""
+
+
+class CleanReadings:
+    """Per GPU, the readings in a row (this one included) with no slowdown among its clock
+    event reasons: GpuMetrics.unthrottled_readings, from which the controller clears a
+    throttle verdict only after enough of them (actors/health.py's hysteresis). Counted here,
+    where every reading is taken: the controller sees only the heartbeats that could change
+    its verdict. Capped, so a heartbeat does not carry an ever larger number."""
+
+    CAP = 10_000
+
+    def __init__(self) -> None:
+        self._clean: dict[int, int] = {}
+
+    def count(self, index: int, reasons: tuple[str, ...]) -> int:
+        clean = 0 if SLOWDOWN_REASONS.intersection(reasons) else self._clean.get(index, 0) + 1
+        self._clean[index] = min(clean, self.CAP)
+        return self._clean[index]
 
 
 class GpuProbe(Protocol):

@@ -27,6 +27,7 @@ from events.contract.messages import (
     StartReplica,
     StopReplica,
 )
+from nodeagent.gpu import FakeGpuProbe
 from projections import FleetState
 from runtime.env import Env, NoResponders, RequestTimeout
 from sim import sim_env
@@ -43,6 +44,7 @@ class ScriptedAgent:
     region: str = "eu-west"
     temperature: float = 50.0
     probe_error: str = ""
+    probe: FakeGpuProbe | None = None  # when set, heartbeats carry its readings instead
     heartbeating: bool = True  # False: hung or partitioned (SIGSTOP)
     gate: asyncio.Event = field(default_factory=asyncio.Event)  # clear: commands pile up
     crash_on_start: bool = False  # every start exits at once (crash loop)
@@ -73,7 +75,9 @@ class ScriptedAgent:
             node_id=self.node_id,
             address="127.0.0.1",
             region=self.region,
-            gpus=tuple(
+            gpus=self.probe.gpus
+            if self.probe is not None
+            else tuple(
                 GpuInfo(index=i, uuid=f"{self.node_id}-{i}", model="RTX4090", vram_mib=24_576)
                 for i in range(self.gpus)
             ),
@@ -99,7 +103,9 @@ class ScriptedAgent:
                     node_id=self.node_id,
                     seq=seq,
                     probe_error=self.probe_error,
-                    gpus=tuple(
+                    gpus=await self.probe.sample()
+                    if self.probe is not None
+                    else tuple(
                         GpuMetrics(index=i, temperature_c=self.temperature)
                         for i in range(self.gpus)
                     ),

@@ -538,7 +538,7 @@ def test_the_fault_subject_drives_the_fake_probe() -> None:
             cleared = await h.fresh_heartbeat()
         assert [m.temperature_c for m in hot.gpus] == [35.0, 95.0]
         assert [m.ecc_uncorrected for m in hot.gpus] == [2, 2]
-        assert [m.xid_errors for m in hot.gpus] == [79, 0]
+        assert [(m.xid_errors, m.xids) for m in hot.gpus] == [(1, (79,)), (0, ())]  # XID 79
         assert broken.probe_error and broken.gpus == ()
         assert cleared.probe_error == "" and {m.temperature_c for m in cleared.gpus} == {35.0}
 

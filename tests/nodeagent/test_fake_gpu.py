@@ -108,26 +108,46 @@ async def test_driver_error_makes_sampling_raise_until_switched_off() -> None:
     assert len(await probe.sample()) == 1
 
 
-async def test_ecc_and_xid_counts_accumulate_per_gpu() -> None:
+async def test_ecc_counts_and_xids_by_code_accumulate_per_gpu() -> None:
     probe = FakeGpuProbe.parse("A100:80GiB:2")
     probe.add_ecc(2, gpu=0)
     probe.add_ecc()
     probe.add_xid(79, gpu=1)
+    probe.add_xid(13, gpu=1, times=2)
     metrics = await probe.sample()
     assert [m.ecc_uncorrected for m in metrics] == [3, 1]
-    assert [m.xid_errors for m in metrics] == [0, 79]
+    assert [(m.xid_errors, m.xids) for m in metrics] == [(0, ()), (3, (13, 79))]
+    # Kept, as the NVML probe keeps them, until cleared.
+    assert [m.xids for m in await probe.sample()] == [(), (13, 79)]
+
+
+async def test_a_throttle_holds_until_cleared_and_clean_readings_are_counted() -> None:
+    probe = FakeGpuProbe.parse("A100:80GiB:2")
+    assert [m.unthrottled_readings for m in await probe.sample()] == [1, 1]
+    probe.set_throttle(["hw_slowdown"], gpu=0)
+    slowed = await probe.sample()
+    assert [m.throttle_reasons for m in slowed] == [("hw_slowdown",), ()]
+    assert [m.unthrottled_readings for m in slowed] == [0, 2]
+    probe.set_throttle(0x80)  # NVML's bit for hw_power_brake_slowdown, every GPU
+    assert {m.throttle_reasons for m in await probe.sample()} == {("hw_power_brake_slowdown",)}
+    probe.set_throttle(())
+    assert [m.unthrottled_readings for m in await probe.sample()] == [1, 1]
+    with pytest.raises(ValueError, match="unknown throttle reason 'slow'"):
+        probe.set_throttle(["slow"])
 
 
 async def test_clear_resets_every_fault() -> None:
     probe = FakeGpuProbe.parse("A100:80GiB:2")
     probe.set_temperature(99)
     probe.add_ecc(1)
-    probe.add_xid(1)
+    probe.add_xid(79)
+    probe.set_throttle(["hw_slowdown"])
     probe.set_driver_error(True)
     probe.clear()
     metrics = await probe.sample()
     assert all(m.temperature_c == 35.0 for m in metrics)
-    assert all(m.ecc_uncorrected == m.xid_errors == 0 for m in metrics)
+    assert all(m.ecc_uncorrected == m.xid_errors == 0 and m.xids == () for m in metrics)
+    assert all(m.throttle_reasons == () for m in metrics)
 
 
 def test_switches_reject_a_gpu_the_node_lacks_and_nonsense_values() -> None:
@@ -136,8 +156,10 @@ def test_switches_reject_a_gpu_the_node_lacks_and_nonsense_values() -> None:
         probe.set_temperature(90, gpu=2)
     with pytest.raises(ValueError, match="no GPU -3"):
         probe.add_ecc(1, gpu=-3)
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="an XID code is a whole number from 1"):
         probe.add_xid(0)
+    with pytest.raises(ValueError, match="at least 1"):
+        probe.add_xid(79, times=0)
     with pytest.raises(ValueError, match="finite"):
         probe.set_temperature(float("nan"))
 
@@ -146,11 +168,12 @@ async def test_apply_fault_maps_every_kind_to_its_switch() -> None:
     probe = FakeGpuProbe.parse("A100:80GiB:2")
     probe.apply_fault(Fault(kind="thermal", value=91, gpu=0))
     probe.apply_fault(Fault(kind="ecc", gpu=1))  # value 0 means one error
-    probe.apply_fault(Fault(kind="xid", value=3))
+    probe.apply_fault(Fault(kind="xid", value=48))  # XID 48, on every GPU
+    probe.apply_fault(Fault(kind="xid", gpu=1))  # value 0 means XID 79
     metrics = await probe.sample()
     assert [m.temperature_c for m in metrics] == [91.0, 35.0]
     assert [m.ecc_uncorrected for m in metrics] == [0, 1]
-    assert [m.xid_errors for m in metrics] == [3, 3]
+    assert [m.xids for m in metrics] == [(48,), (48, 79)]
     probe.apply_fault(Fault(kind="driver"))
     with pytest.raises(ProbeError):
         await probe.sample()
