@@ -169,6 +169,10 @@ class Fleet(Protocol):
         its view of the node may be stale)."""
         ...
 
+    async def secrets_unavailable(self, spec: ClusterSpec) -> str:
+        """Why the spec's secrets can reach no node ('' when they can)."""
+        ...
+
 
 def _good(node: NodeView | None) -> bool:
     # A suspect node's replicas still count as serving: moving them on two missed heartbeats
@@ -685,6 +689,8 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         mine: list[ReplicaView],
     ) -> tuple[int, NoFit | None]:
         live = self.fleet.live
+        if missing and (secrets := await self.fleet.secrets_unavailable(spec)):
+            return 0, NoFit(reason=secrets)  # each replica placed would fail at once
         rng = self.fleet.scheduler_rng()
         next_ordinal = max((_ordinal(r) for r in mine), default=-1) + 1
         placed = 0

@@ -296,6 +296,10 @@ class Controller:
         """Whether a placement may use this node now (NodeLiveness.placeable)."""
         return self.liveness.placeable(node_id, self.env.clock.monotonic())
 
+    async def secrets_unavailable(self, spec: ClusterSpec) -> str:
+        """Why `spec`'s secrets can go to no node ('' when they can: SecretKeeper)."""
+        return await self.secrets.unavailable(spec) if spec.secret_env else ""
+
     async def _respawn(self) -> None:
         """After a restart: actors for every known node (silence detection restarts with a
         grace period), cluster, and replica still in flight (they re-send their commands)."""

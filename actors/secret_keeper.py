@@ -45,6 +45,7 @@ class SecretKeeper:
         self.store = store
         self._node = node
         self._ephemeral = ephemeral
+        self._held: set[str] = set()  # references seen in the store (a digest's value is fixed)
 
     async def redact(self, spec: ClusterSpec) -> ClusterSpec:
         """The spec as it may be recorded: inline values stored and replaced by references.
@@ -62,6 +63,28 @@ class SecretKeeper:
             except SecretStoreError as exc:
                 raise SecretsUnavailable(f"secret_env: cannot store a secret: {exc}") from None
         return redacted
+
+    async def unavailable(self, spec: ClusterSpec) -> str:
+        """Why no replica of `spec` can be given its secrets anywhere ('' when it can): a
+        reference whose value the store lacks (a log restored without its secret store, a
+        controller given another store). The placement says so instead of placing replicas
+        that would each fail at once."""
+        for name, ref in sorted(spec.secret_env.items()):
+            if is_file(ref) or ref in self._held:
+                continue
+            if not is_reference(ref):
+                return f"secret_env.{name}: not a reference (never recorded)"
+            try:
+                value = await self._get(ref)
+            except SecretsUnavailable as exc:
+                return exc.reason
+            if value is None:
+                return (
+                    f"secret_env.{name}: the controller's secret store has no value for "
+                    f"{ref[:30]}... (apply the spec again with the value)"
+                )
+            self._held.add(ref)
+        return ""
 
     async def seal_for(
         self, node_id: str, replica_id: str, epoch: int, spec: ClusterSpec

@@ -28,6 +28,7 @@ from nodeagent.agent import Agent
 from nodeagent.config import AgentConfig
 from nodeagent.gpu import FakeGpuProbe
 from nodeagent.workload.fake import FakeDriver
+from projections.views import NodeView
 from runtime.env import Env
 from sim import run_simulation, sim_env
 from sim.bus import MemoryBus
@@ -276,5 +277,75 @@ def test_a_missing_file_fails_the_replica_in_one_line() -> None:
             assert "start failed: secret_env.HF_TOKEN: cannot read /nonexistent/gpumesh/" in detail
             assert "\n" not in detail
             assert w.drivers["n0"].running() == []
+
+    run_simulation(main())
+
+
+def test_a_replica_whose_secrets_cannot_go_fails_unsent_with_the_reason() -> None:
+    """The race the scheduler's filter cannot see (the node came back as an older agent after
+    the placement was decided): nothing is sent, and the replica fails with the reason."""
+    spec = {"name": "llama", "command": "serve", "secret_env": {"HF_TOKEN": TOKEN}}
+
+    async def main() -> None:
+        async with world("n0") as w:
+            keeper = w.controller.secrets
+            lookup = keeper._node
+            calls = 0
+
+            def once_gone(node_id: str) -> NodeView | None:
+                nonlocal calls
+                calls += 1
+                return None if calls == 1 else lookup(node_id)  # then it registers again
+
+            keeper._node = once_gone
+            assert (await w.api("cluster.create", spec)).ok
+
+            def failed() -> list[ReplicaFailed]:
+                return [
+                    e.payload
+                    for e in w.store.read_all_now()
+                    if isinstance(e.payload, ReplicaFailed)
+                ]
+
+            await w.until(lambda: failed() != [], within=10, why="the replica fails")
+            first = failed()[0]
+            assert first.reason == "start_failed"
+            assert first.detail == (
+                "node n0 has no sealing key (an agent older than secret_env): the secrets "
+                "HF_TOKEN cannot be sent to it"
+            )
+            # Nothing went for that epoch; the next placement (a new epoch) went, and runs.
+            starts = [c for c in w.commands.sent("n0") if isinstance(c, StartReplica)]
+            assert first.epoch not in [c.epoch for c in starts]
+            await w.until(lambda: w.ready("llama") != [], within=20, why="placed again")
+            [workload] = w.drivers["n0"].running()
+            assert workload.spec.secret_env == {"HF_TOKEN": TOKEN}
+
+    run_simulation(main())
+
+
+def test_a_value_the_store_lacks_makes_the_cluster_unschedulable_not_a_loop() -> None:
+    """A log restored without its secret store: placing would fail at once each time, so the
+    placement says why and places nothing, rather than failing replica after replica."""
+    spec = {"name": "llama", "replicas": 0, "command": "serve", "secret_env": {"HF_TOKEN": TOKEN}}
+
+    async def main() -> None:
+        async with world("n0") as w:
+            assert (await w.api("cluster.create", spec)).ok
+            w.secrets.values.clear()  # lost, and a controller that never saw it
+            w.controller.secrets._held.clear()
+            assert (await w.api("cluster.scale", {"name": "llama", "replicas": 1})).ok
+            clusters = w.controller.live.state.clusters.clusters
+            await w.until(lambda: clusters["llama"].unschedulable != "", within=10, why="says")
+            assert clusters["llama"].unschedulable.startswith(
+                "secret_env.HF_TOKEN: the controller's secret store has no value for secret:"
+            )
+            await asyncio.sleep(10.0)
+            assert not any(isinstance(e.payload, ReplicaFailed) for e in w.store.read_all_now())
+            assert w.drivers["n0"].running() == []
+            # Given the value again (apply with it), the replica is placed and runs.
+            applied = await w.api("cluster.apply", {**spec, "replicas": 1})
+            assert applied.ok, applied.error
+            await w.until(lambda: w.ready("llama") != [], within=20, why="placed")
 
     run_simulation(main())
