@@ -1,4 +1,5 @@
-"""`gpumesh agent`, `gpumesh agent fault` and `gpumesh workload echo`.
+"""`gpumesh agent`, `gpumesh agent fault` and `gpumesh workload` (echo; the real models' llm,
+embeddings and fetch are in nodeagent/workload/commands.py).
 
 gpumesh/cli.py wires them with `nodeagent.cli.register(commands, [common])`, which adds the
 top-level `agent` and `workload` commands. The NATS adapters are imported inside the handlers,
@@ -26,7 +27,7 @@ from runtime.env import BusError, NoResponders, RequestTimeout
 from runtime.shutdown import run_until_signal
 
 from .config import AgentConfig
-from .workload import echo
+from .workload import commands as real_models, echo
 
 FAULT_KINDS = ("thermal", "driver", "ecc", "xid", "clear")
 
@@ -168,6 +169,7 @@ def register_workload(commands: Any, parents: Sequence[argparse.ArgumentParser])
     )
     echo.add_arguments(echo_parser)
     echo_parser.set_defaults(handler=run_echo)
+    real_models.register(kinds, parents)  # llm, embeddings, fetch
 
 
 _NATS_HELP = (
