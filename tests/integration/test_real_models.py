@@ -29,7 +29,7 @@ import pytest
 
 from gpumesh.up import demo_spec
 from tests.integration.stack import kill_marked, pid_alive, workloads
-from tests.integration.test_up_demo import read_summary
+from tests.integration.test_up_demo import curl, read_summary
 from tests.integration.up_process import api, connect_admin, reap, start_up
 from tests.real_models import needs_embeddings, needs_smollm2
 from wire.nats_bus import NatsBus
@@ -195,6 +195,19 @@ async def test_bare_demo_serves_smollm2_and_embeddings_to_the_openai_client(
         assert all("loaded in" in log for log in logs), logs
         assert all("refused 0 requests while loading" in log for log in logs), logs
         await client.close()
+
+
+@needs_embeddings
+async def test_up_demo_embeddings_prints_a_curl_line_that_embeds(tmp_path: Path) -> None:
+    async with up(tmp_path, "--demo", "embeddings", nodes=2) as stack:
+        cluster = await stack.cluster("embeddings")
+        assert (cluster["desired"], cluster["ready"]) == (2, 2), cluster
+        ask = stack.summary["ask it"]
+        assert ask.startswith(f"curl -s {stack.gateway}/v1/embeddings "), ask
+        answer = await asyncio.to_thread(curl, ask)
+        assert answer["model"] == "embeddings" and len(answer["data"]) == 2, answer
+        assert {len(d["embedding"]) for d in answer["data"]} == {384}
+        assert answer["usage"]["prompt_tokens"] > 0
 
 
 @needs_smollm2
