@@ -27,9 +27,10 @@ from runtime.env import BusError, NoResponders, RequestTimeout
 from runtime.shutdown import run_until_signal
 
 from .config import AgentConfig
+from .gpu.nvml import throttle_mask, throttle_names
 from .workload import commands as real_models, echo
 
-FAULT_KINDS = ("thermal", "driver", "ecc", "xid", "clear")
+FAULT_KINDS = ("thermal", "driver", "ecc", "xid", "throttle", "clear")
 
 
 def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
@@ -133,11 +134,13 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         description="Drive a --fake-gpus agent's GPUs: thermal VALUE sets the temperature (C); "
         "driver makes the probe fail; ecc adds VALUE errors (default 1); xid reports XID VALUE "
         "(default 79, fallen off the bus; 13, 31, 43 and 45 are an application's and leave the "
-        "node healthy: docs/gpus.md); clear resets all.",
+        "node healthy: docs/gpus.md); throttle REASON holds the clocks down (hw_slowdown, "
+        "hw_thermal_slowdown, hw_power_brake_slowdown, sw_thermal_slowdown, ...; none or 0 "
+        "lets them go); clear resets all.",
     )
     fault.add_argument("node", help="the agent's node id")
     fault.add_argument("kind", choices=FAULT_KINDS)
-    fault.add_argument("value", nargs="?", type=float, default=0.0)
+    fault.add_argument("value", nargs="?", type=_fault_value, default=0.0)
     fault.add_argument("--gpu", type=int, default=-1, help="GPU index (default: every GPU)")
     # SUPPRESS: `agent --nats X fault ...` keeps X instead of this parser's default.
     fault.add_argument("--nats", metavar="URL", default=argparse.SUPPRESS, help=_NATS_HELP)
@@ -366,6 +369,19 @@ async def _until_refused(main: Coroutine[Any, Any, None], refused: asyncio.Event
         return False
 
 
+def _fault_value(text: str) -> float:
+    """A number, or clock event reasons by NVML's names (`hw_slowdown`, `a,b`; `none`) as
+    their bit mask, for `throttle`."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        return float(throttle_mask(n for n in text.split(",") if n and n != "none"))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; {exc}") from None
+
+
 async def send_fault(args: argparse.Namespace) -> int:
     from wire.nats_access import CredentialsError
     from wire.nats_bus import BusUnavailable, NatsBus
@@ -402,6 +418,8 @@ async def send_fault(args: argparse.Namespace) -> int:
         _error(f"agent {args.node!r} refused the fault: {reply.error}")
         return 1
     value = f" {args.value:g}" if args.kind in ("thermal", "ecc", "xid") and args.value else ""
+    if args.kind == "throttle":
+        value = " " + (",".join(throttle_names(int(args.value))) or "none")
     where = "every GPU" if args.gpu == -1 else f"GPU {args.gpu}"
     print(f"{args.node}: {args.kind}{value} applied to {where}")
     return 0

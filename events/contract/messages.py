@@ -155,7 +155,7 @@ class StopReplica(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
 
 Command: TypeAlias = StartReplica | StopReplica
 
-FaultKind = Literal["thermal", "driver", "ecc", "xid", "clear"]
+FaultKind = Literal["thermal", "driver", "ecc", "xid", "throttle", "clear"]
 
 
 class Fault(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="fault.v1"):

@@ -190,7 +190,8 @@ class FakeGpuProbe:
     def apply_fault(self, fault: Fault) -> None:
         """`thermal` sets the temperature to `value`; `driver` makes sampling fail until
         `clear`; `ecc` adds `value` errors (1 if 0); `xid` reports XID `value` once (79 if
-        0); `gpu` -1 means every GPU."""
+        0); `throttle` holds the clocks down for the reasons in `value`, NVML's bit mask (0:
+        none); `gpu` -1 means every GPU."""
         match fault.kind:
             case "thermal":
                 self.set_temperature(fault.value, fault.gpu)
@@ -201,6 +202,8 @@ class FakeGpuProbe:
                 self.add_ecc(_count(fault.value), fault.gpu)
             case "xid":
                 self.add_xid(_count(fault.value, default=79), fault.gpu)
+            case "throttle":
+                self.set_throttle(_count(fault.value, default=0), fault.gpu)
             case "clear":
                 self.clear()
 

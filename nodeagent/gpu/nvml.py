@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
@@ -70,6 +71,17 @@ def _hint(reason: str) -> str:
 
 def throttle_names(mask: int) -> tuple[str, ...]:
     return tuple(name for bit, name in _THROTTLE_REASONS if mask & bit)
+
+
+def throttle_mask(names: Iterable[str]) -> int:
+    """NVML's bit mask for clock event reasons by name; ValueError naming an unknown one."""
+    bits = {name: bit for bit, name in _THROTTLE_REASONS}
+    mask = 0
+    for name in names:
+        if name not in bits:
+            raise ValueError(f"unknown throttle reason {name!r} (known: {', '.join(bits)})")
+        mask |= bits[name]
+    return mask
 
 
 class NvmlProbe:

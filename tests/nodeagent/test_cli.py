@@ -47,6 +47,14 @@ def test_fault_parses_and_keeps_a_nats_url_given_before_it() -> None:
     assert parse("agent", "fault", "gpu-1", "clear").value == 0.0
 
 
+def test_a_throttle_fault_names_its_reasons_as_nvmls_bit_mask() -> None:
+    assert parse("agent", "fault", "gpu-1", "throttle", "hw_slowdown").value == 8.0
+    both = parse("agent", "fault", "n", "throttle", "hw_slowdown,hw_power_brake_slowdown")
+    assert both.value == 8.0 + 128.0
+    assert parse("agent", "fault", "gpu-1", "throttle", "none").value == 0.0
+    assert parse("agent", "fault", "gpu-1", "xid", "79").value == 79.0
+
+
 def test_workload_echo_parses() -> None:
     args = parse("workload", "echo", "--port", "0", "--ttft-ms", "20", "--model", "m")
     assert args.handler is cli.run_echo
@@ -58,6 +66,7 @@ def test_workload_echo_parses() -> None:
     [
         ("agent", "--label", "no-equals-sign"),
         ("agent", "fault", "gpu-1", "meteor"),
+        ("agent", "fault", "gpu-1", "throttle", "slow"),
         ("workload", "echo"),  # --port is required
     ],
 )

@@ -179,6 +179,13 @@ async def test_apply_fault_maps_every_kind_to_its_switch() -> None:
         await probe.sample()
     probe.apply_fault(Fault(kind="clear"))
     assert [m.temperature_c for m in await probe.sample()] == [35.0, 35.0]
+    probe.apply_fault(Fault(kind="throttle", value=0x8 | 0x80, gpu=1))
+    assert [m.throttle_reasons for m in await probe.sample()] == [
+        (),
+        ("hw_slowdown", "hw_power_brake_slowdown"),
+    ]
+    probe.apply_fault(Fault(kind="throttle", gpu=1))  # 0: none
+    assert [m.throttle_reasons for m in await probe.sample()] == [(), ()]
     with pytest.raises(ValueError, match="whole number"):
         probe.apply_fault(Fault(kind="ecc", value=1.5))
     with pytest.raises(ValueError, match="no GPU 7"):
