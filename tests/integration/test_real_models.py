@@ -158,6 +158,7 @@ async def test_bare_demo_serves_smollm2_and_embeddings_to_the_openai_client(
             messages=[{"role": "user", "content": "Name a colour."}],
             max_tokens=12,
             temperature=0,
+            extra_body={"ignore_eos": True},  # llama.cpp: exactly max_tokens, whatever it says
             stream=True,
             stream_options={"include_usage": True},
         )

@@ -46,6 +46,7 @@ def test_llm_streams_a_chat_with_usage_and_stops_on_sigterm(tmp_path: Path) -> N
             messages=[{"role": "user", "content": "Say hello."}],
             max_tokens=8,
             temperature=0,
+            extra_body={"ignore_eos": True},  # llama.cpp: exactly max_tokens, whatever it says
             stream=True,
             stream_options={"include_usage": True},
         )
