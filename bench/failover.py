@@ -58,6 +58,15 @@ controller, N agents with fake GPUs, real echo workloads. Health settings are th
         leader wrote anything (strace). The killed process is started again and the stack
         steady before the next class. Details: bench/_failover_ha.py.
 
+    python bench/failover.py ... --plot FILE.png
+    python bench/failover.py --from-json RESULT.json --plot FILE.png
+        The figures above as one PNG (needs matplotlib: pip install 'gpumesh[plot]'): for the
+        node kill each run's phases from the kill and detection and replacement over the runs;
+        for --classes per failure class the seconds until a controller leads again and until
+        `cluster scale` is accepted, and the requests failed; for --clients per proxy detection,
+        replacement and the requests failed before the first byte. --from-json draws a result
+        saved with --json, running nothing.
+
 --quick shrinks whichever mode runs, for CI (its figures are marked, not comparable): one run;
 4 agents for --soak too; --seconds 3 --kill-at 1.5 for --clients; for --classes, the class
 controller-stop alone (unless --classes names others), 7 s of load with the fault at 1.5 s.
@@ -109,6 +118,7 @@ from bench._failover_common import (  # noqa: E402
     _spawn,
     _start_gateway,
     _traced_spec,
+    plot_result,
 )
 from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from events.envelope import Envelope  # noqa: E402
@@ -1062,7 +1072,34 @@ def _ha_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
     else:
         _failover_ha_report.print_table(result)
+    _plot(args, result)
     return 0 if args.quick or _failover_ha_report.met(result) else 1
+
+
+def _plot(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    """`--plot FILE`: the result's PNG; where its mode has none, one line saying so."""
+    if args.plot is None:
+        return
+    try:
+        plot_result(result, args.plot)
+    except ValueError as exc:
+        print(f"--plot: {exc}", file=sys.stderr)
+        return
+    print(f"plot in {args.plot}", file=sys.stderr)
+
+
+def _plot_from_json(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`--from-json FILE --plot PNG`: a saved `--json` result drawn, nothing run."""
+    if args.plot is None:
+        parser.error("--from-json needs --plot FILE.png")
+    try:
+        result = json.loads(Path(args.from_json).read_text())
+        plot_result(result, args.plot)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        print(f"--from-json {args.from_json}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(f"plot in {args.plot}", file=sys.stderr)
+    return 0
 
 
 def main() -> int:
@@ -1077,6 +1114,17 @@ def main() -> int:
         "--keep", metavar="DIR", help="keep the stacks' data and logs in this directory"
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="also draw the figures as a PNG (needs matplotlib: pip install 'gpumesh[plot]')",
+    )
+    parser.add_argument(
+        "--from-json",
+        metavar="FILE",
+        help="with --plot: draw a result saved with --json instead of running anything",
+    )
     proxied_mode = parser.add_argument_group("client-side failover through a proxy")
     proxied_mode.add_argument(
         "--clients", type=int, default=0, help="concurrent clients, half streaming (turns it on)"
@@ -1138,6 +1186,16 @@ def main() -> int:
         "controller-stop only, --class-seconds 7 --fault-at 1.5 --hold 4",
     )
     args = parser.parse_args()
+    if args.plot is not None:
+        from sim.plot import PlotUnavailable, pyplot
+
+        try:
+            pyplot()  # before any run: without matplotlib, one line and nothing run
+        except PlotUnavailable as exc:
+            print(exc, file=sys.stderr)
+            return 2
+    if args.from_json:
+        return _plot_from_json(parser, args)
     apply_quick(parser, args, **QUICK)
     configure_logging(level="warning", json=False, stream=sys.stderr)
     announce(args, json_output=args.json)
@@ -1151,6 +1209,7 @@ def main() -> int:
         result = mark(args, asyncio.run(controller_outages(args)))
         if args.json:
             print(json.dumps(result, indent=2))
+        _plot(args, result)
         met = all(
             r["all"]["failed_before_first_byte"] == 0 and r["all"]["streams_cut"] == 0
             for r in result["runs"]
@@ -1170,6 +1229,7 @@ def main() -> int:
             print(json.dumps(result, indent=2))
         else:
             _print_table(result)
+        _plot(args, result)
         gateway = next((r for r in result["runs"] if r["proxy"] == "gateway"), None)
         met = gateway is None or (
             gateway["failed_before_first_byte"] == 0 and gateway["streams_cut_silent"] == 0
@@ -1182,6 +1242,7 @@ def main() -> int:
             print(json.dumps(result, indent=2))
         else:
             _print_soak(result)
+        _plot(args, result)
         return 0 if result["offline_verdicts"] == 0 else 1
     args.agents = args.agents or 4
     args.runs = args.runs or 5
@@ -1192,6 +1253,7 @@ def main() -> int:
         print(json.dumps(result, indent=2))
     else:
         _print_summary(result)
+    _plot(args, result)
     return 0
 
 

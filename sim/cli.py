@@ -49,6 +49,13 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         metavar="FILE",
         help="write a self-contained HTML report: timeline, incidents, charts (sim/report_html.py)",
     )
+    run.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE",
+        help="write a PNG: requests answered and failed per second per cluster, faults shaded, "
+        "and detection and replacement times per failure class (needs gpumesh[plot])",
+    )
     run.set_defaults(handler=run_command)
 
     fuzz = sub.add_parser("fuzz", parents=list(parents), help="run many seeds until one fails")
@@ -117,14 +124,29 @@ async def run_command(args: argparse.Namespace) -> int:
         path, scenario = _scenario(args.scenario)
     except ScenarioError as exc:
         raise CommandFailed(str(exc)) from None
+    if args.plot:
+        from .plot import PlotUnavailable, pyplot
+
+        try:
+            pyplot()  # before the run: without matplotlib, one line and nothing run
+        except PlotUnavailable as exc:
+            raise CommandFailed(str(exc)) from None
     commit = git_commit()
     print(f"gpumesh sim: scenario {path}, seed {args.seed}, commit {commit}", file=sys.stderr)
-    if args.html:
+    if args.html or args.plot:
         from .report_html import report, run_recorded
 
         result, world, traffic = _in_thread(run_recorded, scenario, args.seed)
-        args.html.write_text(report(result, world, traffic, commit=commit), encoding="utf-8")
-        print(f"gpumesh sim: report in {args.html}", file=sys.stderr)
+        if args.html:
+            args.html.write_text(report(result, world, traffic, commit=commit), encoding="utf-8")
+            print(f"gpumesh sim: report in {args.html}", file=sys.stderr)
+        if args.plot:
+            from .plot import plot_run
+
+            timings = world.checker.timings
+            samples = {"detection": timings.detection, "replacement": timings.replacement}
+            plot_run(result, scenario, traffic, samples, args.plot, commit=commit)
+            print(f"gpumesh sim: plot in {args.plot}", file=sys.stderr)
     else:
         result, world = _in_thread(run_scenario, scenario, args.seed)
     if args.events_out:
