@@ -52,6 +52,7 @@ def health(port: int) -> int:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
             return int(r.status)
     except urllib.error.HTTPError as exc:
+        exc.close()  # it holds the response's socket: unclosed, a ResourceWarning at GC
         return exc.code
     except OSError:
         return 0

@@ -10,7 +10,9 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +29,22 @@ from tests.real_models import (
 )
 from wire.errors import CommandFailed
 
+_OPEN: list[Any] = []
+
+
+def _closed_after(client: Any) -> Any:
+    """The test's OpenAI client, closed when the test ends however it ends: its connection
+    pool otherwise leaves a socket to the GC (a ResourceWarning, an error here)."""
+    _OPEN.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
 
 @needs_smollm2
 @pytest.mark.slow
@@ -39,7 +57,7 @@ def test_llm_streams_a_chat_with_usage_and_stops_on_sigterm(tmp_path: Path) -> N
     try:
         wait_healthy(port, proc)
         assert "SmolLM2-135M-Instruct.Q4_1.gguf loaded in" in log.read_text()
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        client = _closed_after(OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused"))
         assert [m.id for m in client.models.list().data] == ["tiny"]
         stream = client.chat.completions.create(
             model="tiny",
@@ -85,9 +103,10 @@ def test_embeddings_answer_503_while_loading_then_a_batch_of_16(tmp_path: Path) 
             urllib.request.urlopen(request, timeout=5)
         assert refused.value.code == 503
         assert json.loads(refused.value.read())["error"]["code"] == "model_loading"
+        refused.value.close()
         wait_healthy(port, proc)
 
-        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        client = _closed_after(OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused"))
         texts = [f"sentence number {i} about gpus" for i in range(16)]
         answer = client.embeddings.create(model="e5", input=texts)  # base64 on the wire
         assert [d.index for d in answer.data] == list(range(16))
@@ -103,6 +122,7 @@ def test_embeddings_answer_503_while_loading_then_a_batch_of_16(tmp_path: Path) 
         with pytest.raises(urllib.error.HTTPError) as rejected:
             urllib.request.urlopen(bad, timeout=5)
         assert rejected.value.code == 400
+        rejected.value.close()
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
