@@ -1,7 +1,7 @@
 """Real models through the gateway against the same model served directly, in the same run.
 
     python bench/realmodel.py [--seconds 5] [--rounds 6] [--clients 4] [--only embeddings|chat]
-                              [--json]
+                              [--threads 1] [--json] [--keep DIR]
 
 One `gpumesh up --nodes 1` (embedded NATS, the controller, the gateway, one agent with fake
 GPUs; tests/integration/up_process.py), then, for each model, one cluster of one replica created
@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -164,7 +165,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         lacking = demo_missing(WORKLOADS[what])
         if lacking:
             raise SystemExit(f"bench/realmodel.py: {lacking}")
-    root = Path(tempfile.mkdtemp(prefix="gpumesh-realmodel-"))
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="gpumesh-realmodel-"))
     marker = f"realmodel-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     up = start_up(root / "stack", marker, nodes=1)
     results: dict[str, Any] = {
@@ -188,6 +189,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         reap(up)
         await asyncio.to_thread(kill_marked, marker)
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
     return results
 
 
@@ -225,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=1, help="the model's CPU threads (default 1, as the demo)"
     )
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--keep", metavar="DIR", help="run the stack in DIR and keep it (its logs) afterwards"
+    )
     add_quick(parser, "--seconds 2 --rounds 1 --clients 2")
     args = parser.parse_args(argv)
     apply_quick(parser, args, argv, seconds=2.0, rounds=1, clients=2)
