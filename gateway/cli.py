@@ -159,6 +159,43 @@ def add_arguments(gw: argparse.ArgumentParser) -> None:
         help="listen only once a first routing table is in (from the controller, or the last "
         "one kept on JetStream), waiting at most this long (default 10; 0: listen at once)",
     )
+    add_trace_arguments(gw)
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """`--trace` and `--trace-console` (docs/tracing.md); the agent's and `up`'s too."""
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        default=os.environ.get("GPUMESH_TRACE", "") not in ("", "0"),
+        help="OpenTelemetry spans, one per request, continuing a client's W3C traceparent "
+        "(needs pip install 'gpumesh[tracing]'; default: GPUMESH_TRACE=1 in the environment "
+        "turns it on). Exporter: OTEL_TRACES_EXPORTER (otlp, console, none); else "
+        "--trace-console; else OTLP (opentelemetry-exporter-otlp, OTEL_EXPORTER_OTLP_*)",
+    )
+    parser.add_argument(
+        "--trace-console",
+        action="store_true",
+        help="with --trace: write the spans to stderr, one JSON object a line",
+    )
+
+
+def request_tracer(args: argparse.Namespace) -> Any:
+    """The gateway's RequestTracer when `--trace` is on, else None (nothing imported)."""
+    if not getattr(args, "trace", False):
+        return None
+    from wire.errors import CommandFailed
+
+    try:
+        from wire.tracing import TracingUnavailable
+
+        from .tracing import RequestTracer
+    except ImportError:
+        raise CommandFailed("--trace needs OpenTelemetry: pip install 'gpumesh[tracing]'") from None
+    try:
+        return RequestTracer.configure(console=getattr(args, "trace_console", False))
+    except TracingUnavailable as exc:
+        raise CommandFailed(f"--trace: {exc}") from None
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -226,6 +263,7 @@ def real_gateway(args: argparse.Namespace, bus: Any, config: Any, keys: Any) -> 
         rng=rng,
         access_log=access_log,
         routing_log=partial(last_routing_table, bus),
+        tracer=request_tracer(args),
     )
 
 

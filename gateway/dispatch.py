@@ -171,6 +171,32 @@ class HoldObserver(Protocol):
         `seconds` after its hold began."""
 
 
+class DispatchTrace(Protocol):
+    """Told of one request's decisions as the dispatcher makes them (gateway/tracing.py turns
+    them into span events). Given to run() per request; None costs nothing. Called on the
+    request's own task: quick, no I/O."""
+
+    def attempt(self, route: RouteEntry, attempt: int) -> None:
+        """Attempt number `attempt` (from 1) goes to `route`."""
+
+    def attempt_failed(self, route: RouteEntry, error: UpstreamError, attempt: int) -> None:
+        """That attempt failed before an answer could begin."""
+
+    def backoff(self, delay_s: float, attempt: int) -> None:
+        """Another attempt follows, after `delay_s`."""
+
+    def ejected(self, ejection: Ejection) -> None:
+        """This request's failure ejected its replica."""
+
+    def hold(self, reason: str, limit_s: float) -> None:
+        """The request waits (at most `limit_s`) for the table to change: `reason` is
+        cold_start, replacement (every candidate failed, the last refusing connections) or
+        no_ready_replica."""
+
+    def hold_ended(self, reason: str, woken: bool) -> None:
+        """That wait ended: the table changed (`woken`), or its time ran out."""
+
+
 @dataclass(slots=True)
 class _Request:
     """One request's way through run(): what the waits and the load meter need of it."""
@@ -186,6 +212,7 @@ class _Request:
     in_flight: bool = False  # counted in flight on the meter
     cold_since: float | None = None  # held in a cold start since
     cold_began: float | None = None  # its first cold-start hold began (the histogram's zero)
+    trace: DispatchTrace | None = None
 
 
 class Dispatcher:
@@ -242,7 +269,13 @@ class Dispatcher:
         """Requests of `cluster` waiting for a replica now."""
         return self._held.get(cluster, 0)
 
-    def finished(self, cluster: str, route: RouteEntry, outcome: Outcome) -> None:
+    def finished(
+        self,
+        cluster: str,
+        route: RouteEntry,
+        outcome: Outcome,
+        trace: DispatchTrace | None = None,
+    ) -> None:
         """The answer run() returned for `cluster` has ended (in full: "ok"; broken off:
         "stream_broken"; the client left: "cancelled"): the route's outstanding request is
         done, an ejection that causes is reported, and the meter no longer counts it in
@@ -250,6 +283,8 @@ class Dispatcher:
         ejection = self.router.finished(route, outcome)
         if ejection is not None:
             self.on_ejection(ejection)
+            if trace is not None:
+                trace.ejected(ejection)
         if self.meter is not None:
             self.meter.done(cluster)
 
@@ -261,6 +296,7 @@ class Dispatcher:
         key: str = "",
         repeatable: bool = True,
         settle: Callable[[RouteEntry, T], Awaitable[None]] | None = None,
+        trace: DispatchTrace | None = None,
     ) -> tuple[RouteEntry, T]:
         """The route that answered and what `attempt` returned for it. A request that is not
         `repeatable` is tried again only after a failure that proves it never reached a
@@ -274,11 +310,14 @@ class Dispatcher:
         The request stays outstanding on that route (and in flight on the meter): the caller
         calls `finished(cluster, route, ...)` once the body is done, with "ok",
         "stream_broken" or "cancelled".
+
+        `trace`, if given, is told of this request's attempts, failures, backoffs, ejections
+        and holds.
         """
         if not self.router.known(cluster):
             raise UnknownCluster(cluster)
         arrival = self._clock.monotonic()
-        request = _Request(cluster, key, arrival, arrival)
+        request = _Request(cluster, key, arrival, arrival, trace=trace)
         if self.meter is not None:
             self.meter.arrived(cluster)
         try:
@@ -315,6 +354,8 @@ class Dispatcher:
                 raise self._no_ready_replica(cluster, request.arrival)
             first_byte_timeout = min(self.policy.first_byte_timeout_s, left)
             attempts += 1
+            if request.trace is not None:
+                request.trace.attempt(route, attempts)
             if not request.in_flight and self.meter is not None:
                 self.meter.sent(cluster)
             request.in_flight = True
@@ -323,6 +364,8 @@ class Dispatcher:
                 return route, result
             except UpstreamError as exc:
                 failure = last = exc
+                if request.trace is not None:
+                    request.trace.attempt_failed(route, exc, attempts)
             if route not in request.tried:
                 request.tried.append(route)
             delay = self.policy.backoff(attempts, self._rng)
@@ -334,6 +377,8 @@ class Dispatcher:
                 raise AttemptsExhausted(
                     failure, attempts, cluster, repeatable=repeatable
                 ) from failure
+            if request.trace is not None:
+                request.trace.backoff(delay, attempts)
             await asyncio.sleep(delay)
 
     async def _attempt(
@@ -365,6 +410,8 @@ class Dispatcher:
             ejection = self.router.finished(route, exc.outcome)
             if ejection is not None:
                 self.on_ejection(ejection)
+                if request.trace is not None:
+                    request.trace.ejected(ejection)
             raise
         except BaseException:
             # Cancelled (the client left) or a bug in the attempt: either way the request is no
@@ -397,7 +444,9 @@ class Dispatcher:
             if cold_start_s is not None:
                 # Starting from zero replicas: hold the request for as long as a replica may
                 # take to start, rather than the queue timeout, which a cold start outlasts.
-                if await self._wait(request, changed, request.arrival + cold_start_s, cold=True):
+                if await self._wait(
+                    request, changed, request.arrival + cold_start_s, "cold_start", cold=True
+                ):
                     continue
                 if (route := self.router.choose(cluster, key=key)) is not None:
                     self._unhold(request)
@@ -408,12 +457,12 @@ class Dispatcher:
             # Every candidate failed once already, the last one refusing connections: its node
             # died and the controller is replacing it. Wait for the table to change (within the
             # queue timeout) before another go at a replica that just failed.
-            if exclude and dead and await self._wait(request, changed, give_up):
+            if exclude and dead and await self._wait(request, changed, give_up, "replacement"):
                 continue
             if exclude and (route := self.router.choose(cluster, key=key)) is not None:
                 self._unhold(request)
                 return route  # another go beats giving up while attempts remain
-            if await self._wait(request, changed, give_up):
+            if await self._wait(request, changed, give_up, "no_ready_replica"):
                 continue
             if (route := self.router.choose(cluster, key=key)) is not None:
                 self._unhold(request)
@@ -421,18 +470,31 @@ class Dispatcher:
             raise self._no_ready_replica(cluster, request.arrival)
 
     async def _wait(
-        self, request: _Request, changed: asyncio.Event, until: float, *, cold: bool = False
+        self,
+        request: _Request,
+        changed: asyncio.Event,
+        until: float,
+        reason: str,
+        *,
+        cold: bool = False,
     ) -> bool:
         """Hold the request until the table changes (True) or `until` (False)."""
         left = until - self._clock.monotonic()
         if left <= 0:
             return False
         self._hold(request, cold)
+        trace = request.trace
+        if trace is not None:
+            trace.hold(reason, left)
         try:
             async with asyncio.timeout(left):
                 await changed.wait()
         except TimeoutError:
+            if trace is not None:
+                trace.hold_ended(reason, False)
             return False
+        if trace is not None:
+            trace.hold_ended(reason, True)
         return True
 
     def _hold(self, request: _Request, cold: bool) -> None:

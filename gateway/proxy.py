@@ -16,7 +16,7 @@ import itertools
 import math
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import msgspec
 from aiohttp import web
@@ -51,6 +51,9 @@ from .transport.base import (
     UpstreamStatus,
 )
 from .transport.overlay import RequestTooLarge
+
+if TYPE_CHECKING:  # opentelemetry is loaded only with --trace (docs/tracing.md)
+    from .tracing import RequestSpan, RequestTracer
 
 Affinity = Literal["off", "prefix", "user"]
 
@@ -165,6 +168,8 @@ class Proxy:
         # end with an error event instead of a silent cut.
         self._in_flight: set[asyncio.Task[Any]] = set()
         self._cut = False
+        # `--trace`: a span per request (gateway/tracing.py). None: no tracing, no cost.
+        self.tracer: RequestTracer | None = None
 
     def cut_in_flight(self) -> None:
         """The shutdown grace is over: cancel every request still in flight. An event stream
@@ -316,7 +321,10 @@ class Proxy:
         """One request, start to end: its cluster resolved; the dispatcher's way to an answer,
         every attempt and retry its own (each attempt is `request.attempt`, then
         `request.settle`); the answer passed on. Or, if none came, the reply its
-        DispatchError earns (`refuse`). Counted and logged however it ends."""
+        DispatchError earns (`refuse`). Counted, logged (and traced) however it ends."""
+        trace = None if self.tracer is None else self.tracer.start(request)
+        request.trace = trace
+        refused: DispatchError | None = None
         try:
             self._resolve(request)
             route, answer = await self.dispatcher.run(
@@ -325,10 +333,12 @@ class Proxy:
                 key=key,
                 repeatable=repeatable,
                 settle=request.settle,
+                trace=trace,
             )
             request.status = answer.response.status
             await self._respond(request, route, answer)
         except DispatchError as error:
+            refused = error
             request.status = error.status
             refuse(
                 request.sink,
@@ -339,6 +349,8 @@ class Proxy:
             )
         finally:
             self._record(request)
+            if trace is not None:
+                trace.end(request, refused)
 
     def _resolve(self, request: _Exchange) -> None:
         """The request's cluster by its own name, then the one that serves it (its canary's,
@@ -381,7 +393,7 @@ class Proxy:
             )
 
     def _finish(self, request: _Exchange, route: RouteEntry, outcome: Outcome) -> None:
-        self.dispatcher.finished(request.cluster, route, outcome)
+        self.dispatcher.finished(request.cluster, route, outcome, request.trace)
 
     async def _open(self, route: RouteEntry, upstream: UpstreamRequest) -> _Answer:
         response = await self.transport.open(route, upstream)
@@ -523,6 +535,7 @@ class _Exchange:
         "started",
         "status",
         "tenant",
+        "trace",
     )
 
     def __init__(
@@ -551,6 +564,7 @@ class _Exchange:
         self.last_failure = ""  # the outcome a retry is counted under
         self.route: RouteEntry | None = None  # the last that answered with a head
         self.status = 0  # the client went away first, unless set
+        self.trace: RequestSpan | None = None
 
     async def attempt(self, route: RouteEntry, first_byte_timeout: float) -> _Answer:
         """The replica's head (and an event stream's first chunk)."""

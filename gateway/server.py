@@ -13,7 +13,7 @@ import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 import structlog
@@ -38,6 +38,9 @@ from .retry import RetryPolicy
 from .router import Ejection, Router, RouterConfig
 from .transport.base import Transport
 from .transport.direct import DirectTransport
+
+if TYPE_CHECKING:  # opentelemetry is loaded only with --trace
+    from .tracing import RequestTracer
 
 TransportName = Literal["direct", "overlay"]
 # How long aiohttp waits past the grace for the handlers cut_in_flight() just ended (a stream
@@ -85,9 +88,11 @@ class Gateway:
         log: Any = None,
         access_log: AccessLog | None = None,
         routing_log: Callable[[], Awaitable[bytes | None]] | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         """`routing_log`: the last routing table, from JetStream (wire/routing_log.py), for a
-        start while no controller answers."""
+        start while no controller answers. `tracer`: a span per request (`--trace`,
+        gateway/tracing.py); shut down, its spans flushed, when run() ends."""
         self.config = config
         self.bus = bus
         self.keys = keys
@@ -125,6 +130,7 @@ class Gateway:
             self.log,
             access_log,
         )
+        self.tracer = self.proxy.tracer = tracer
         self.feed = RoutingFeed(
             bus, self.router, self.dispatcher, self.log, routing_log=routing_log
         )
@@ -235,6 +241,8 @@ class Gateway:
                 cut.cancel()
                 self.proxy.access_log.flush()
             await self.transport.close()
+            if self.tracer is not None:
+                await asyncio.to_thread(self.tracer.shutdown)  # flushes what is buffered
 
     async def _first_table(self) -> None:
         wait = self.config.routes_wait_s

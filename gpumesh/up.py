@@ -111,6 +111,9 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         "each serves GET /metrics on a free 127.0.0.1 port, printed in the summary with a "
         "scrape configuration; docs/metrics.md)",
     )
+    from gateway.cli import add_trace_arguments
+
+    add_trace_arguments(up)  # the gateway's and every agent's (docs/tracing.md)
     up.set_defaults(handler=run_up, daemon=True)
 
 
@@ -432,6 +435,8 @@ async def _spawn_agent(
     secured = ["--nats-creds", str(creds)] if url.startswith("tls://") else []
     if metrics_port is not None:
         secured += ["--metrics-listen", f"127.0.0.1:{metrics_port}"]
+    if getattr(args, "trace", False):  # `up --trace`: the fencing fronts' spans too
+        secured += ["--trace", *(["--trace-console"] if args.trace_console else [])]
     # Opening a local log file is instant; the child inherits the descriptor.
     log: IO[bytes] = open(logs / f"agent-{node_id}.log", "ab")  # noqa: SIM115, ASYNC230
     try:

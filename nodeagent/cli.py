@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata
+import os
 import socket
 import sys
 from collections.abc import Coroutine, Sequence
@@ -123,6 +124,20 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         "stop; a second SIGTERM stops at once. Give it the notice your provider gives (30 on "
         "most spot offers) and let the service manager wait that long; 0: stop at once "
         "(default)",
+    )
+    agent.add_argument(
+        "--trace",
+        action="store_true",
+        default=os.environ.get("GPUMESH_TRACE", "") not in ("", "0"),
+        help="OpenTelemetry: a span per request through this node's fencing front, a child of "
+        "the gateway's (pip install 'gpumesh[tracing]'; docs/tracing.md; default: "
+        "GPUMESH_TRACE=1 turns it on). Exporter: OTEL_TRACES_EXPORTER, else --trace-console, "
+        "else OTLP",
+    )
+    agent.add_argument(
+        "--trace-console",
+        action="store_true",
+        help="with --trace: write the spans to stderr, one JSON object a line",
     )
     agent.set_defaults(handler=run_agent, daemon=True)
 
@@ -242,6 +257,7 @@ async def run_agent(args: argparse.Namespace) -> int:
     closing = contextlib.AsyncExitStack()  # what must be closed however we leave
     try:
         try:
+            _open_tracer(args, closing)
             probe = await _open_probe(args, closing)
             driver = await _open_driver(args)
         except _Unusable as exc:
@@ -254,6 +270,30 @@ async def run_agent(args: argparse.Namespace) -> int:
 
 class _Unusable(Exception):
     """A one-line reason the agent cannot run on this machine as asked."""
+
+
+def _open_tracer(args: argparse.Namespace, stack: contextlib.AsyncExitStack) -> None:
+    """`--trace`: the fencing front's spans (its module's TRACER), flushed when the agent
+    stops. Nothing of opentelemetry is imported without it."""
+    if not getattr(args, "trace", False):
+        return
+    try:
+        from wire.tracing import FrontTracer, TracingUnavailable, provider
+    except ImportError:
+        raise _Unusable("--trace needs OpenTelemetry: pip install 'gpumesh[tracing]'") from None
+    from . import fencing_front
+
+    try:
+        tracer = FrontTracer(provider("gpumesh-agent", console=args.trace_console))
+    except TracingUnavailable as exc:
+        raise _Unusable(f"--trace: {exc}") from None
+    fencing_front.TRACER = tracer
+
+    def stop() -> None:
+        fencing_front.TRACER = None
+        tracer.shutdown()
+
+    stack.callback(stop)
 
 
 async def _open_probe(args: argparse.Namespace, stack: contextlib.AsyncExitStack) -> Any:

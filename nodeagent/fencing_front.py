@@ -15,7 +15,7 @@ responses are relayed chunk by chunk.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 import msgspec
@@ -26,11 +26,17 @@ from events.contract.tunnel import HOP_BY_HOP, NOT_DELIVERED, NOT_DELIVERED_HEAD
 
 from .tunnel import Fence, Resolve  # the same two questions the tunnel asks
 
+if TYPE_CHECKING:  # opentelemetry is loaded only with the agent's --trace
+    from wire.tracing import FrontSpan, FrontTracer
+
 PREFIX: Final = "/replica/"
 CONNECT_TIMEOUT_S: Final = 2.0
 
 _log = structlog.get_logger("gpumesh.front")
 _ERROR = msgspec.json.Encoder()
+# The agent's `--trace` (nodeagent/cli.py) sets it before the front starts: a span per request,
+# a child of the gateway's (docs/tracing.md). None: no tracing.
+TRACER: FrontTracer | None = None
 
 
 def front_path(replica_id: str, epoch: int) -> str:
@@ -50,8 +56,16 @@ class DirectFront:
     """Serves until cancelled; `url` is set once it listens."""
 
     def __init__(
-        self, host: str, port: int, resolve: Resolve, fence: Fence, *, log: Any = None
+        self,
+        host: str,
+        port: int,
+        resolve: Resolve,
+        fence: Fence,
+        *,
+        log: Any = None,
+        tracer: FrontTracer | None = None,
     ) -> None:
+        """`tracer`: a span per request; default: the module's TRACER."""
         self._host = host
         self._port = port
         self._resolve = resolve
@@ -61,6 +75,7 @@ class DirectFront:
         self.port = 0
         self.listening = asyncio.Event()
         self.fenced = 0  # requests refused, for tests and status
+        self.tracer = tracer if tracer is not None else TRACER
 
     async def run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
@@ -92,30 +107,60 @@ class DirectFront:
             epoch = int(epoch_text)
         except ValueError:
             return _refuse(404, "not_found", f"epoch {epoch_text!r} is not a number")
+        if self.tracer is None:
+            return await self._pass(request, replica_id, epoch, rest, None)
+        span = self.tracer.start(request.headers.get, replica_id, epoch)
+        status = 0  # the gateway went away first
+        try:
+            response = await self._pass(request, replica_id, epoch, rest, span)
+            status = response.status
+            return response
+        finally:
+            span.end(status)
+
+    async def _pass(
+        self,
+        request: web.BaseRequest,
+        replica_id: str,
+        epoch: int,
+        rest: str,
+        span: FrontSpan | None,
+    ) -> web.StreamResponse:
         why = self._fence(replica_id, epoch)
         if why:
             self.fenced += 1
+            if span is not None:
+                span.outcome("fenced", why)
             return _refuse(503, "fenced", why)
         base = self._resolve(replica_id, epoch)
         if base is None:
-            return _refuse(
-                503, "unknown_replica", f"replica {replica_id}@{epoch} does not run here"
-            )
-        return await self._forward(request, base + rest)
+            why = f"replica {replica_id}@{epoch} does not run here"
+            if span is not None:
+                span.outcome("unknown_replica", why)
+            return _refuse(503, "unknown_replica", why)
+        return await self._forward(request, base + rest, span)
 
-    async def _forward(self, request: web.BaseRequest, url: str) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.BaseRequest, url: str, span: FrontSpan | None = None
+    ) -> web.StreamResponse:
         assert self._session is not None
         if request.query_string:
             url = f"{url}?{request.query_string}"
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers: Any = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        if span is not None:
+            headers = span.headers(list(headers.items()))  # the workload's parent: this span
         body = await request.read()
         try:
             upstream = await self._session.request(
                 request.method, url, headers=headers, data=body, allow_redirects=False
             )
         except aiohttp.ClientConnectorError as exc:
+            if span is not None:
+                span.outcome("connect_error", str(exc))
             return _refuse(502, "connect_error", f"the workload did not answer: {exc}")
         except (aiohttp.ClientError, OSError) as exc:
+            if span is not None:
+                span.outcome("reset", str(exc))
             # Connected, so the workload may have seen the request before it went away.
             return _refuse(502, "reset", f"the workload did not answer: {exc}", reached=True)
         async with upstream:
