@@ -8,6 +8,7 @@ overlay's agent-side tunnel server, the proxy under test, and the load generator
     python bench/gateway.py [--seconds 10] [--connections 64] [--runs 1] [--json] [--quick]
                             [--only direct,gateway,gateway-log,overlay,aiohttp-proxy,nginx,...]
                             [--peers-venv DIR | --install-peers] [--streams 10000]
+                            [--dashboard N [--dashboard-nodes 100]]
 
 Rows: direct (one replica, no proxy); gateway (`gpumesh gateway --transport direct
 --no-access-log`, three replicas); gateway-log (the same with its access log on); overlay
@@ -26,6 +27,15 @@ use under --quiet cores, and prints the foreign load during each run beside it.
 for a quiet machine (it samples the foreign load over 0.2 s instead of 2 s, once): its figures
 are marked, and not comparable.
 
+`--dashboard N` keeps N headless Chromium pages (tests/integration/browser.py's launcher) on
+the gateway's /ui fleet page, signed in with an admin key and following its live event stream,
+for each gateway-type row's whole measured run: the issue's "the gateway's CPU per proxied
+request does not change by more than 2% while a dashboard is open". A stand-in controller (bench/
+dashboard.py's SyntheticController, served over this stack's NATS) answers the pages' reads with
+`--dashboard-nodes` nodes and publishes a heartbeat event for each once a second (an agent's
+default interval), which the gateway relays to every page. `--dashboard 0` sets up the same
+(admin key, stand-in controller, heartbeats) and opens no page: the run to compare with.
+
 `--streams N` adds the many-streams check: N concurrent long streams (a chunk every 5 s) held
 open through one gateway process, its RSS before, with them open and after; for the direct and
 the overlay transport (a direct stream holds two sockets in the gateway, an overlay stream one).
@@ -39,6 +49,7 @@ that prints figures, not a test.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -53,6 +64,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -72,6 +84,8 @@ ALL_TARGETS = (
     *("direct", "gateway", "gateway-log", "overlay", "aiohttp-proxy"),
     *("nginx", "vllm-router", "litellm"),
 )
+GATEWAY_ROWS = ("gateway", "gateway-log", "overlay")  # the rows --dashboard opens pages on
+DASHBOARD_IDLE_S = 3.0  # --dashboard: the gateway's CPU with no requests, pages open (or not)
 UPSTREAMS = 3
 CLUSTER = "bench"
 HOLD_CLUSTER = "hold"
@@ -325,6 +339,7 @@ class Stack:
     nats_pid: int
     agent_pid: int
     hold_upstream: tuple[str, int, Child] | None
+    admin_key: str = ""  # with --dashboard: in the gateways' data directory
 
 
 def start_stack(procs: Procs, workdir: Path, args: argparse.Namespace) -> Stack:
@@ -393,7 +408,154 @@ def start_stack(procs: Procs, workdir: Path, args: argparse.Namespace) -> Stack:
         + ["--max", str(max(args.streams + 100, 1024))],
         ready_line=True,
     )
-    return Stack(procs, workdir, upstreams, nats_url, nats.pid, agent.pid, hold)
+    stack = Stack(procs, workdir, upstreams, nats_url, nats.pid, agent.pid, hold)
+    if args.dashboard is not None:
+        # The same for --dashboard 0 and N: an admin key (tenant auth stays off, so the request
+        # path is the same as without one) and a controller that heartbeats.
+        stack.admin_key = "gm-bench-admin-" + secrets.token_hex(16)
+        data_dir = workdir / "gpumesh-data"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "admin-key").write_text(stack.admin_key + "\n")
+        argv = [py, str(Path(__file__).resolve()), "--serve-fleet", nats_url]
+        procs.start(
+            "fleet", [*argv, "--dashboard-nodes", str(args.dashboard_nodes)], ready_line=True
+        )
+    return stack
+
+
+# -- --dashboard: a stand-in controller, and browsers on /ui ---------------------------------
+
+
+async def serve_fleet(nats_url: str, nodes: int) -> None:
+    """The stand-in controller for --dashboard: bench/dashboard.py's SyntheticController
+    (`nodes` nodes, two GPUs each, 20 clusters) answering node.list, cluster.list and
+    events.list over NATS, and publishing a heartbeat event per node every second."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.dashboard import SyntheticController
+    from events.contract import subjects
+    from gpumesh.logconfig import configure_logging
+    from wire.nats_bus import NatsBus
+
+    configure_logging(level="warning", json=True)  # stdout is for `ready`
+    controller = SyntheticController(nodes)
+    bus = await NatsBus.connect(nats_url, name="bench-fleet")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def answer(verb: str) -> None:
+        async for msg in await bus.subscribe(subjects.api(verb)):
+            if msg.reply:
+                reply = await controller.request(msg.subject, msg.data, timeout=5.0)
+                await bus.publish(msg.reply, reply.data)
+
+    async def heartbeats() -> None:
+        start, sent = time.perf_counter(), 0
+        while True:
+            due = int((time.perf_counter() - start) * nodes)  # each node once a second
+            while sent < due:
+                msg = controller.append(controller._heartbeat(sent % nodes, 1 + sent // nodes))
+                await bus.publish(msg.subject, msg.data, headers=msg.headers)
+                sent += 1
+            await asyncio.sleep(0.01)
+
+    tasks = [asyncio.create_task(answer(v)) for v in ("node.list", "cluster.list", "events.list")]
+    await bus.flush()
+    tasks.append(asyncio.create_task(heartbeats()))
+    print("ready", flush=True)
+    await stop.wait()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await bus.close()
+
+
+class Dashboards:
+    """One headless Chromium (tests/integration/browser.py), driven from a thread of its own
+    with its own event loop; `open(base, key)` signs in to a gateway's /ui and keeps N pages
+    on its fleet page, following the live stream, until `close_pages()`."""
+
+    READY = "document.body.dataset.ready === '1'"
+    LIVE = "document.getElementById('live').classList.contains('on')"
+
+    def __init__(self, pages: int) -> None:
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        from tests.integration.browser import chromium_path
+
+        if chromium_path() is None:
+            raise StartFailed("--dashboard: no chromium (apt-get install -y chromium)")
+        self.count = pages
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self._stack = contextlib.AsyncExitStack()
+        self.browser: Any = None
+        self.pages: list[Any] = []
+        self.problems: list[str] = []
+
+    def _run(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> None:
+        async def launch() -> None:
+            from tests.integration.browser import Chromium
+
+            self.browser = await self._stack.enter_async_context(Chromium.launch())
+
+        self._run(launch())
+
+    def open(self, base: str, key: str) -> None:
+        async def go() -> None:
+            for i in range(self.count):
+                page = await self.browser.new_page()
+                self.pages.append(page)
+                await page.goto(f"{base}/ui/fleet")
+                if i == 0:  # one session cookie for the browser's every page
+                    await page.wait_for("location.pathname === '/ui/login'")
+                    await page.fill("#key", key)
+                    await page.evaluate("document.querySelector('form.login').submit()")
+                    await page.wait_for("location.pathname === '/ui/fleet'")
+                await page.wait_for(self.READY, timeout=30)
+                await page.wait_for(self.LIVE, timeout=30)
+
+        self._run(go())
+
+    def close_pages(self) -> dict[str, Any]:
+        """Closes the pages; whether each was still live, and what they logged."""
+
+        async def close() -> dict[str, Any]:
+            live = [bool(await page.evaluate(self.LIVE)) for page in self.pages]
+            rows = [
+                int(await page.evaluate("document.querySelectorAll('#nodes tbody tr').length"))
+                for page in self.pages
+            ]
+            problems = [p for page in self.pages for p in page.problems]
+            for page in self.pages:
+                await page.close()
+            self.pages.clear()
+            return {
+                "pages": len(live),
+                "live_at_end": sum(live),
+                "rows": rows,
+                "problems": problems,
+            }
+
+        out: dict[str, Any] = self._run(close())
+        self.problems += out["problems"]
+        return out
+
+    def cpu_s(self) -> float:
+        """The browser's CPU (every process of it) so far, seconds."""
+        return cpu_s([self.browser._process.pid])
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._run(self._stack.aclose(), timeout=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
 
 
 def start_gateway(stack: Stack, name: str, transport: str, access_log: bool) -> Target:
@@ -1161,6 +1323,21 @@ def print_report(result: dict[str, Any]) -> None:
             )
             if m["note"]:
                 print(f"  note: {m['note']}")
+    dash = result.get("dashboard")
+    if dash is not None:
+        print(
+            f"\ndashboard: {dash['pages']} page(s) on /ui/fleet during each gateway row, "
+            f"{dash['nodes']} stand-in nodes heartbeating once a second"
+        )
+        for r in dash["runs"]:
+            line = f"  {r['target']}: gateway {r['idle_gateway_cores']:.4f} cores with no requests"
+            if "pages" in r:
+                line += (
+                    f"; during the run the browser used {r['browser_cores']:.2f} cores; "
+                    f"{r['live_at_end']}/{r['pages']} still live at the end, rows {r['rows']}; "
+                    f"console problems: {r['problems'] or 'none'}"
+                )
+            print(line)
     print("\n## Targets\n")
     for name, verdict, detail in result["verdicts"]:
         print(f"{verdict:4} {name}: {detail}")
@@ -1212,6 +1389,20 @@ def main() -> int:
     parser.add_argument(
         "--streams-transport", default="direct,overlay", help="for --streams (default both)"
     )
+    parser.add_argument(
+        "--dashboard",
+        type=int,
+        metavar="N",
+        help="N headless Chromium pages on /ui's fleet page (signed in, live) during each "
+        "gateway row's measured run; 0: the same stand-in controller and admin key, no page",
+    )
+    parser.add_argument(
+        "--dashboard-nodes",
+        type=int,
+        default=100,
+        help="for --dashboard: the stand-in fleet's nodes, a heartbeat each a second",
+    )
+    parser.add_argument("--serve-fleet", metavar="NATS_URL", help=argparse.SUPPRESS)
     parser.add_argument("--stream-interval", type=float, default=5.0, help="s between chunks")
     parser.add_argument("--stream-hold", type=float, default=20.0, help="s to hold them open")
     parser.add_argument(
@@ -1232,7 +1423,12 @@ def main() -> int:
         + ", no wait for a quiet machine",
     )
     args = parser.parse_args()
+    if args.serve_fleet:
+        asyncio.run(serve_fleet(args.serve_fleet, args.dashboard_nodes))
+        return 0
     apply_quick(parser, args, **QUICK)
+    if args.dashboard is not None and args.dashboard < 0:
+        parser.error("--dashboard: a number of pages, 0 or more")
     if args.install_peers and not args.install_dir:
         args.install_dir = str(Path(tempfile.gettempdir()) / "gpumesh-bench-peers")
     order = [] if args.only == "none" else [t.strip() for t in args.only.split(",") if t.strip()]
@@ -1261,6 +1457,12 @@ def main() -> int:
         f"upstreams: {UPSTREAMS} aiohttp processes on asyncio (direct uses one), 317-byte "
         "answer; SSE: 20 chunks 5 ms apart",
     ]
+    if args.dashboard is not None:
+        header.append(
+            f"dashboard: {args.dashboard} Chromium page(s) on /ui/fleet during each gateway "
+            f"row; stand-in controller with {args.dashboard_nodes} nodes, a heartbeat each a "
+            "second"
+        )
     announce(args, json_output=args.json)
     if not args.json:
         print("\n".join(header), flush=True)
@@ -1275,6 +1477,8 @@ def main() -> int:
     runs: dict[str, list[dict[str, Any]]] = {}
     many: list[dict[str, Any]] = []
     peers: dict[str, Path] = {}
+    dashboards: Dashboards | None = None
+    dashboard_runs: list[dict[str, Any]] = []
     try:
         if "nginx" in order and shutil.which("nginx") is None:
             order.remove("nginx")
@@ -1301,6 +1505,9 @@ def main() -> int:
         say(f"starting upstreams, nats-server, routing feed and agent in {workdir}")
         stack = start_stack(procs, workdir, args)
         load = Load(workdir, procs, use_wrk)
+        if args.dashboard:
+            dashboards = Dashboards(args.dashboard)
+            dashboards.start()
         all_upstreams = [c.pid for _, _, c in stack.upstreams]
         for run in range(args.runs):
             for name in list(order):
@@ -1315,8 +1522,30 @@ def main() -> int:
                 if target.note:
                     notes[name] = target.note
                 upstream_pids = all_upstreams[:1] if name == "direct" else all_upstreams
+                with_pages = dashboards is not None and name in GATEWAY_ROWS
                 try:
+                    dash: dict[str, Any] = {"target": name}
+                    if with_pages:
+                        assert dashboards is not None
+                        say(f"  {name}: {args.dashboard} dashboard page(s) open on /ui/fleet")
+                        dashboards.open(target.base, stack.admin_key)
+                    if args.dashboard is not None and name in GATEWAY_ROWS:
+                        # With no requests: what the pages (or none) cost the gateway alone.
+                        cpu0, t0 = cpu_s(target.pids), time.monotonic()
+                        time.sleep(DASHBOARD_IDLE_S)
+                        idle = (cpu_s(target.pids) - cpu0) / (time.monotonic() - t0)
+                        dash["idle_gateway_cores"] = idle
+                        say(f"  {name}: idle, {args.dashboard} page(s): gateway {idle:.4f} cores")
+                    t0 = time.monotonic()
+                    browser0 = dashboards.cpu_s() if dashboards is not None else 0.0
                     data = run_target(load, target, upstream_pids, args)
+                    if with_pages:
+                        assert dashboards is not None
+                        elapsed = time.monotonic() - t0
+                        dash["browser_cores"] = (dashboards.cpu_s() - browser0) / elapsed
+                        dash.update(dashboards.close_pages())
+                    if args.dashboard is not None and name in GATEWAY_ROWS:
+                        dashboard_runs.append(dash)
                 finally:
                     for child in target.children:
                         procs.stop(child)
@@ -1329,6 +1558,8 @@ def main() -> int:
         procs.stop_all()
         return 130
     finally:
+        if dashboards is not None:
+            dashboards.stop()
         procs.stop_all()
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -1349,6 +1580,9 @@ def main() -> int:
         "notes": notes,
         "skipped": skipped,
         "many_streams": many,
+        "dashboard": None
+        if args.dashboard is None
+        else {"pages": args.dashboard, "nodes": args.dashboard_nodes, "runs": dashboard_runs},
     }
     result["verdicts"] = verdicts(med, many)
     mark(args, result)
