@@ -31,11 +31,13 @@ from opentelemetry.sdk.trace.export import (
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from .errors import WireError
+
 TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
 _W3C = TraceContextTextMapPropagator()
 
 
-class TracingUnavailable(Exception):
+class TracingUnavailable(WireError):
     """`--trace` cannot be honoured as asked (an exporter that is not installed)."""
 
 
