@@ -12,6 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from wire.commandline import add_trace_arguments
 from wire.stack import find_nats_url
 
 from .dispatch import MAX_HELD
@@ -159,25 +160,7 @@ def add_arguments(gw: argparse.ArgumentParser) -> None:
         help="listen only once a first routing table is in (from the controller, or the last "
         "one kept on JetStream), waiting at most this long (default 10; 0: listen at once)",
     )
-    add_trace_arguments(gw)
-
-
-def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--trace` and `--trace-console` (docs/tracing.md); the agent's and `up`'s too."""
-    parser.add_argument(
-        "--trace",
-        action="store_true",
-        default=os.environ.get("GPUMESH_TRACE", "") not in ("", "0"),
-        help="OpenTelemetry spans, one per request, continuing a client's W3C traceparent "
-        "(needs pip install 'gpumesh[tracing]'; default: GPUMESH_TRACE=1 in the environment "
-        "turns it on). Exporter: OTEL_TRACES_EXPORTER (otlp, console, none); else "
-        "--trace-console; else OTLP (opentelemetry-exporter-otlp, OTEL_EXPORTER_OTLP_*)",
-    )
-    parser.add_argument(
-        "--trace-console",
-        action="store_true",
-        help="with --trace: write the spans to stderr, one JSON object a line",
-    )
+    add_trace_arguments(gw, "a span per inference request, continuing a client's W3C traceparent")
 
 
 def request_tracer(args: argparse.Namespace) -> Any:

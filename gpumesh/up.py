@@ -111,9 +111,10 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         "each serves GET /metrics on a free 127.0.0.1 port, printed in the summary with a "
         "scrape configuration; docs/metrics.md)",
     )
-    from gateway.cli import add_trace_arguments
+    from wire.commandline import add_trace_arguments
 
-    add_trace_arguments(up)  # the gateway's and every agent's (docs/tracing.md)
+    # The gateway's and every agent's (docs/tracing.md).
+    add_trace_arguments(up, "the gateway's spans per request and each agent's front's")
     up.set_defaults(handler=run_up, daemon=True)
 
 

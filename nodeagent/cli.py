@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib.metadata
-import os
 import socket
 import sys
 from collections.abc import Coroutine, Sequence
@@ -26,6 +25,7 @@ from events.contract.messages import Fault, FaultReply
 from events.ids import valid_id
 from runtime.env import BusError, NoResponders, RequestTimeout
 from runtime.shutdown import run_until_signal
+from wire.commandline import add_trace_arguments
 
 from .config import AgentConfig
 from .gpu.nvml import throttle_mask, throttle_names
@@ -125,19 +125,8 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         "most spot offers) and let the service manager wait that long; 0: stop at once "
         "(default)",
     )
-    agent.add_argument(
-        "--trace",
-        action="store_true",
-        default=os.environ.get("GPUMESH_TRACE", "") not in ("", "0"),
-        help="OpenTelemetry: a span per request through this node's fencing front, a child of "
-        "the gateway's (pip install 'gpumesh[tracing]'; docs/tracing.md; default: "
-        "GPUMESH_TRACE=1 turns it on). Exporter: OTEL_TRACES_EXPORTER, else --trace-console, "
-        "else OTLP",
-    )
-    agent.add_argument(
-        "--trace-console",
-        action="store_true",
-        help="with --trace: write the spans to stderr, one JSON object a line",
+    add_trace_arguments(
+        agent, "a span per request through this node's fencing front, a child of the gateway's"
     )
     agent.set_defaults(handler=run_agent, daemon=True)
 

@@ -5,12 +5,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 from .errors import CommandFailed
 from .nats_access import Credentials, CredentialsError
 from .stack import clear_nats_url, credentials_for, write_nats_url
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser, what: str) -> None:
+    """`--trace` and `--trace-console` (docs/tracing.md), for the gateway, the agent and `up`
+    alike; `what` says what a process traces, the start of its help."""
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        default=os.environ.get("GPUMESH_TRACE", "") not in ("", "0"),
+        help=f"OpenTelemetry: {what} (needs pip install 'gpumesh[tracing]'; docs/tracing.md; "
+        "default: GPUMESH_TRACE=1 in the environment turns it on). Exporter: "
+        "OTEL_TRACES_EXPORTER (otlp, console, none); else --trace-console; else OTLP "
+        "(opentelemetry-exporter-otlp, OTEL_EXPORTER_OTLP_*)",
+    )
+    parser.add_argument(
+        "--trace-console",
+        action="store_true",
+        help="with --trace: write the spans to stderr, one JSON object a line",
+    )
 
 
 def add_creds_argument(parser: argparse.ArgumentParser, identity: str) -> None:
