@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from events import EventStoreError
+from runtime.task_dump import with_task_dump
 
 from . import __version__
 from .gc_tuning import tune_collector
@@ -148,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "daemon", False):  # set by the long-running commands' parsers
         tune_collector()
     try:
-        return asyncio.run(handler(args))
+        return asyncio.run(with_task_dump(handler(args)))
     except KeyboardInterrupt:
         return 130
     except _user_errors() as exc:

@@ -11,15 +11,21 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.integration.stack import STACK_ENV, echo_spec, kill_marked, marked_pids, pid_alive
-from tests.integration.up_process import api, connect_admin, read_urls, reap, start_up, until
+from tests.integration.stack import echo_spec, kill_marked, marked_pids, pid_alive
+from tests.integration.up_process import (
+    api,
+    connect_admin,
+    read_urls,
+    reap,
+    run_chaos,
+    start_up,
+    until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,12 +79,11 @@ async def test_power_loss_on_the_real_stack_reads_like_the_simulator(tmp_path: P
             scenario = tmp_path / "short.toml"
             scenario.write_text(SCENARIO.format(victim=victim))
             done = await asyncio.to_thread(
-                subprocess.run,
-                [sys.executable, "-m", "gpumesh", "chaos", str(scenario), "--data-dir",
-                 str(data_dir), "--gateway", gateway, "--json"],
-                capture_output=True, timeout=60, check=False,
-                env={**os.environ, STACK_ENV: marker},
-            )  # fmt: skip
+                run_chaos,
+                [str(scenario), "--data-dir", str(data_dir), "--gateway", gateway, "--json"],
+                marker=marker,
+                timeout=60,
+            )
             err = done.stderr.decode(errors="replace")
             assert done.returncode == 0, err
             result = json.loads(done.stdout)

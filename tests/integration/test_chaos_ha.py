@@ -14,16 +14,14 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-from tests.integration.stack import STACK_ENV, kill_marked, marked_pids, pid_alive
+from tests.integration.stack import kill_marked, marked_pids, pid_alive
 from tests.integration.test_up_ha import processes, read_summary, start_up_ha
-from tests.integration.up_process import reap, until
+from tests.integration.up_process import reap, run_chaos, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,12 +71,11 @@ async def test_chaos_plays_the_leaders_and_a_nats_servers_loss_against_up_ha(
         scenario = tmp_path / "ha.toml"
         scenario.write_text(SCENARIO)
         done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "gpumesh", "chaos", str(scenario), "--data-dir",
-             str(data_dir), "--json"],
-            capture_output=True, timeout=120, check=False,
-            env={**os.environ, STACK_ENV: marker},
-        )  # fmt: skip
+            run_chaos,
+            [str(scenario), "--data-dir", str(data_dir), "--json"],
+            marker=marker,
+            timeout=120,
+        )
         err = done.stderr.decode(errors="replace")
         assert done.returncode == 0, err
         (tmp_path / "chaos.json").write_bytes(done.stdout)  # for a failure's post-mortem

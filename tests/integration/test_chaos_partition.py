@@ -15,8 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,9 +23,9 @@ import pytest
 
 from actors.errors import ControllerError
 from actors.roster import Roster, RosterEntry
-from tests.integration.stack import STACK_ENV, kill_marked, marked_pids, pid_alive
+from tests.integration.stack import kill_marked, marked_pids, pid_alive
 from tests.integration.test_up_ha import read_summary, start_up_ha
-from tests.integration.up_process import connect_admin, reap, until
+from tests.integration.up_process import connect_admin, reap, run_chaos, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -74,12 +72,11 @@ async def test_the_leader_cut_off_from_nats_is_replaced_and_rejoins_as_a_standby
         scenario = tmp_path / "partition.toml"
         scenario.write_text(SCENARIO)
         done = await asyncio.to_thread(
-            subprocess.run,
-            [sys.executable, "-m", "gpumesh", "chaos", str(scenario), "--data-dir",
-             str(data_dir), "--json"],
-            capture_output=True, timeout=90, check=False,
-            env={**os.environ, STACK_ENV: marker},
-        )  # fmt: skip
+            run_chaos,
+            [str(scenario), "--data-dir", str(data_dir), "--json"],
+            marker=marker,
+            timeout=90,
+        )
         healed_ns = time.time_ns()
         err = done.stderr.decode(errors="replace")
         assert done.returncode == 0, err

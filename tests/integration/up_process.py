@@ -87,3 +87,31 @@ async def until(predicate: Any, timeout: float, why: str) -> Any:
             return value
         assert loop.time() < deadline, f"not within {timeout:g} s: {why}"
         await asyncio.sleep(0.2)
+
+
+def run_chaos(
+    args: Sequence[str], *, marker: str, timeout: float
+) -> subprocess.CompletedProcess[bytes]:
+    """`gpumesh chaos ARGS` to its end. One still running after `timeout` is asked for its
+    asyncio tasks (SIGUSR1: runtime/task_dump.py), then killed, and the test fails with the
+    end of its stderr, the dump included: what it waited on."""
+    chaos = subprocess.Popen(
+        [sys.executable, "-m", "gpumesh", "chaos", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, STACK_ENV: marker},
+    )
+    try:
+        out, err = chaos.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        chaos.send_signal(signal.SIGUSR1)
+        try:
+            out, err = chaos.communicate(timeout=3)
+        except subprocess.TimeoutExpired:
+            chaos.kill()
+            out, err = chaos.communicate()
+        raise AssertionError(
+            f"gpumesh chaos still running after {timeout:g} s; its stderr ends:\n"
+            + err.decode(errors="replace")[-12000:]
+        ) from None
+    return subprocess.CompletedProcess(chaos.args, chaos.returncode, out, err)
