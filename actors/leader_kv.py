@@ -18,7 +18,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from events.contract import subjects
 from runtime.errors import BusError
-from wire.nats_bus import NatsBus, describe, ensure_stream
+from wire.nats_bus import NatsBus, cancellation_kept, describe, ensure_stream
 
 from .errors import ControllerError
 from .leadership import LeaderRecord, LeaseLost, LeaseTaken
@@ -73,12 +73,13 @@ class KvLease:
     async def _write(self, value: bytes, last: int, ttl_s: float, lost: ControllerError) -> int:
         await self._stream()
         try:
-            ack = await self._js.publish(
-                SUBJECT,
-                value,
-                headers={_EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)},
-                msg_ttl=ttl_s,
-            )
+            with cancellation_kept():  # the renewal loop must end when cancelled
+                ack = await self._js.publish(
+                    SUBJECT,
+                    value,
+                    headers={_EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)},
+                    msg_ttl=ttl_s,
+                )
         except APIError as exc:
             if exc.err_code in _WRONG_LAST_SEQUENCE:
                 raise lost from None
@@ -97,7 +98,8 @@ class KvLease:
     async def read(self) -> tuple[bytes, int] | None:
         await self._stream()
         try:
-            found = await self._js.get_last_msg(STREAM, SUBJECT)
+            with cancellation_kept():
+                found = await self._js.get_last_msg(STREAM, SUBJECT)
         except NotFoundError:
             return None
         except nats.errors.Error as exc:

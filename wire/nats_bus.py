@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, Final
 
 import nats.errors
@@ -418,7 +418,8 @@ class NatsBus:
         headers: dict[str, str] | None = None,
     ) -> Msg:
         try:
-            raw = await self._nc.request(subject, data, timeout=timeout, headers=headers)
+            with cancellation_kept():
+                raw = await self._nc.request(subject, data, timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError:
             raise NoResponders(subject) from None
         except nats.errors.TimeoutError:
@@ -441,14 +442,11 @@ class NatsBus:
         # buffer out first (private API, hence the guard), then PING behind it.
         push = getattr(self._nc, "_flush_pending", None)
         if push is not None and self._nc.is_connected:
-            task = asyncio.current_task()
-            cancels = task.cancelling() if task is not None else 0
-            async with asyncio.timeout(timeout):
-                await push(force_flush=True)
-            if task is not None and task.cancelling() > cancels:
-                # nats-py swallows CancelledError in there; give the caller's back.
-                raise asyncio.CancelledError()
-        await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]
+            with cancellation_kept():  # nats-py swallows CancelledError in there
+                async with asyncio.timeout(timeout):
+                    await push(force_flush=True)
+        with cancellation_kept():
+            await self._nc.flush(timeout=timeout)  # type: ignore[arg-type]
 
     async def close(self) -> None:
         """Drain (deliver what is in flight, then disconnect) and end every subscription."""
@@ -483,6 +481,21 @@ class NatsBus:
                     await callback()
                 except Exception:
                     log.exception("nats_reconnect_callback_failed", name=self.name)
+
+
+@contextlib.contextmanager
+def cancellation_kept() -> Iterator[None]:
+    """Raise CancelledError after the block if the task was cancelled during it and the block
+    swallowed that. nats-py does so in places (its flush), and so does asyncio.wait_for on
+    Python 3.11 when the awaited reply lands in the same turn as the cancel (fixed in 3.12):
+    a loop around a request then never ends, and its TaskGroup waits forever (a `gpumesh
+    chaos` run that did not exit after its end was seen). Inside `asyncio.timeout`, the raise
+    becomes its TimeoutError, as it should."""
+    task = asyncio.current_task()
+    before = task.cancelling() if task is not None else 0
+    yield
+    if task is not None and task.cancelling() > before:
+        raise asyncio.CancelledError()
 
 
 async def cancel_and_wait(task: asyncio.Task[Any]) -> None:

@@ -34,7 +34,7 @@ from events.contract.messages import Command
 from events.ids import valid_id
 from runtime.env import BusError, RequestTimeout
 
-from .nats_bus import NatsBus, describe, ensure_stream
+from .nats_bus import NatsBus, cancellation_kept, describe, ensure_stream
 
 log = structlog.get_logger("gpumesh.commands")
 
@@ -213,7 +213,8 @@ class JetStreamCommandQueue:
                 try:
                     if pull is None:
                         pull = await self._bind(node_id)
-                    msgs = await pull.fetch(1, timeout=self.poll_interval)
+                    with cancellation_kept():  # or a shutdown may never end this loop
+                        msgs = await pull.fetch(1, timeout=self.poll_interval)
                 except nats.errors.TimeoutError:
                     continue  # nothing to do within one poll (or the server is away)
                 except nats.errors.ConnectionClosedError:

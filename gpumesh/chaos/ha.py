@@ -189,8 +189,11 @@ class LeaseReader:
                 return None  # a test's stand-in bus
             bus: _JetStreamBus = self._bus
             self._js = bus.jetstream(timeout=self._timeout)
+        from wire.nats_bus import cancellation_kept
+
         try:
-            found = await self._js.get_last_msg(STREAM, SUBJECT)
+            with cancellation_kept():  # chaos's lease watch must end when cancelled
+                found = await self._js.get_last_msg(STREAM, SUBJECT)
         except (nats.errors.Error, TimeoutError):
             return None
         if not found.data or found.seq is None:
