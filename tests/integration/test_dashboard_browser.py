@@ -315,3 +315,27 @@ async def test_the_fleet_and_incidents_pages_follow_a_node_going_offline_with_no
                 assert incidents.problems == []
         finally:
             await bus.close()
+
+
+async def test_pages_left_behind_give_their_event_streams_back(
+    tmp_path: Path, nats_server_binary: Path
+) -> None:
+    # Chromium opens at most 6 connections to one host. Each page follows one or two event
+    # streams; a page left that kept its streams (up to a minute was seen) held those
+    # connections, and after a few clicks a request of the page in view waited for one.
+    async with Stack(tmp_path / "stack", agents=1, nats_binary=nats_server_binary) as stack:
+        bus = await NatsBus.connect(stack.url, name="gw-dashboard", reconnect_wait=0.1)
+        try:
+            async with running_gateway(bus) as gateway, Chromium.launch() as browser:
+                page = await browser.new_page()
+                for name in ("fleet", "clusters", "events", "incidents") * 2:
+                    await open_page(page, f"{gateway.url}/ui/{name}")
+                took_ms = await page.evaluate(
+                    "(async () => { const t = performance.now();"
+                    " await fetch('/ui/api/events?limit=1', {credentials: 'same-origin'});"
+                    " return performance.now() - t; })()"
+                )
+                assert took_ms < 3000, f"a request waited {took_ms:.0f} ms for a connection"
+                assert page.problems == []
+        finally:
+            await bus.close()

@@ -137,7 +137,7 @@
   }
 
   function followMetrics() {
-    const source = new EventSource("/ui/data/metrics/stream");
+    const source = gm.stream("/ui/data/metrics/stream");
     source.addEventListener("snapshot", (message) => {
       metrics = JSON.parse(message.data);
       metricsState = metrics.interval_s ? "on" : "none";

@@ -67,6 +67,25 @@ const gm = (() => {
     };
   }
 
+  // Every EventSource of the page, through stream(url). A page left keeps its streams open
+  // unless told (Chromium held a left page's stream for up to a minute, and with six of them
+  // every connection it allows one host: a new tab's style sheet waited 60 s): pagehide closes
+  // them all. A page the browser brings back from its cache (pageshow, persisted) is stale and
+  // has no stream: load it again.
+  const sources = new Set();
+  function stream(url) {
+    for (const old of sources) if (old.readyState === EventSource.CLOSED) sources.delete(old);
+    const source = new EventSource(url);
+    sources.add(source);
+    return source;
+  }
+  function closeStreams() {
+    for (const source of sources) source.close();
+    sources.clear();
+  }
+  addEventListener("pagehide", closeStreams);
+  addEventListener("pageshow", (event) => { if (event.persisted) location.reload(); });
+
   // The page's live feed: /ui/api/events/stream from `after`, every event type the gateway
   // knows. The browser reconnects by itself (with Last-Event-ID: the stream resumes with no
   // gap); only a refused or failed start (401, 503) closes the EventSource for good, and then
@@ -81,7 +100,7 @@ const gm = (() => {
       const query = new URLSearchParams();
       if (last !== null && last !== undefined) query.set("after", String(last));
       if (heartbeats) query.set("heartbeats", "1");
-      source = new EventSource("/ui/api/events/stream?" + query.toString());
+      source = stream("/ui/api/events/stream?" + query.toString());
       setLive("connecting");
       source.onopen = () => {
         setLive("on", "following the event log");
@@ -196,7 +215,7 @@ const gm = (() => {
   }
 
   return {
-    boot, el, banner, setLive, fmtTime, fmtDateTime, gib, debounce, live, getJSON,
+    boot, el, banner, setLive, fmtTime, fmtDateTime, gib, debounce, live, stream, getJSON,
     sortable, matcher, badge, ready, compare: collator.compare,
   };
 })();
