@@ -132,6 +132,7 @@ class ChaosRun:
         self._loop_t0 = 0.0
         self.start_ns = time.time_ns()
         self._history = True  # folding the log as it was before the run
+        self._stopping = False  # the run's faults and settle are over: its loops end
         self._cursor = 0
         self._last = 0
         self._run_events = 0
@@ -222,7 +223,9 @@ class ChaosRun:
         self.checker.check_event(shifted)
 
     async def _follow(self) -> None:
-        while True:
+        # The flag as well as the cancel: a cancel lost in a request (wire/nats_bus.py
+        # cancellation_kept says where) must not keep the run's TaskGroup waiting.
+        while not self._stopping:
             await self.catch_up_quietly(timeout=2.0)
             await asyncio.sleep(EVENTS_POLL_S)
 
@@ -268,6 +271,7 @@ class ChaosRun:
                     ]
                 await self._guarded("chaos:faults", self._faults_then_settle())
                 await self.faults.stop_watches()
+                self._stopping = True
                 for job in jobs:
                     job.cancel()
         except* Exception as group:
