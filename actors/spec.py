@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from events import AutoscaleSpec, ClusterSpec, ProbeSpec, ShardingSpec
+from events import AutoscaleSpec, ClusterSpec, DockerOptions, ProbeSpec, ShardingSpec
 from events.ids import valid_id
 from events.secret_store import FILE_PREFIX, SECRET_PREFIX, is_file, is_reference
 
@@ -35,6 +35,11 @@ def from_mapping(raw: Any) -> ClusterSpec:
         if isinstance(gpu.get("models"), list):
             gpu["models"] = tuple(gpu["models"])
         raw = {**raw, "gpu": gpu}
+    if isinstance(raw, dict) and isinstance(raw.get("docker"), dict):
+        docker = dict(raw["docker"])
+        if isinstance(docker.get("volumes"), list):
+            docker["volumes"] = tuple(docker["volumes"])
+        raw = {**raw, "docker": docker}
     if isinstance(raw, dict) and isinstance(raw.get("regions"), list):
         raw = {**raw, "regions": tuple(raw["regions"])}
     if isinstance(raw, dict) and isinstance(raw.get("sharding"), dict):
@@ -75,6 +80,7 @@ def validate(spec: ClusterSpec) -> None:
     if spec.sharding is not None:
         _validate_sharding(spec.sharding)
     _validate_probes(spec.probes)
+    _validate_docker(spec.docker)
     if spec.autoscale is not None:
         validate_autoscale(spec.autoscale)
 
@@ -99,6 +105,29 @@ def validate_autoscale(a: AutoscaleSpec) -> None:
         value = getattr(a, name)
         if not (math.isfinite(value) and 0 < value <= 86_400):
             raise SpecError(f"autoscale.{name}: must be > 0 and at most 86400 seconds, got {value}")
+
+
+DOCKER_IPC = ("", "host", "private", "shareable")
+DOCKER_PULL = ("missing", "always", "never")
+_SHM_SIZE = re.compile(r"[1-9][0-9]*[bkmgBKMG]?")
+# A host path (or a named volume), an absolute path in the container, and optionally ro/rw.
+_VOLUME = re.compile(r"(/[^:\0]*|[A-Za-z0-9][A-Za-z0-9_.-]*):(/[^:\0]*)(:(ro|rw))?")
+
+
+def _validate_docker(d: DockerOptions) -> None:
+    """The `[docker]` section: values `docker run` would refuse, refused here with the field."""
+    if d.ipc not in DOCKER_IPC:
+        raise SpecError(f"docker.ipc: {d.ipc!r} is not one of host, private, shareable")
+    if d.shm_size and not _SHM_SIZE.fullmatch(d.shm_size):
+        raise SpecError(f"docker.shm_size: {d.shm_size!r} is not a size such as 16g or 512m")
+    if d.pull not in DOCKER_PULL:
+        raise SpecError(f"docker.pull: {d.pull!r} is not one of missing, always, never")
+    for i, volume in enumerate(d.volumes):
+        if not _VOLUME.fullmatch(volume):
+            raise SpecError(
+                f"docker.volumes[{i}]: {volume!r} is not HOST:CONTAINER[:ro|rw] with an "
+                "absolute container path"
+            )
 
 
 def _validate_probes(p: ProbeSpec) -> None:

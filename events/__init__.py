@@ -23,6 +23,7 @@ from .cluster import (
     ClusterSpec as ClusterSpec,
     ClusterSpecChanged as ClusterSpecChanged,
     ClusterUnschedulable as ClusterUnschedulable,
+    DockerOptions as DockerOptions,
     GpuRequirement as GpuRequirement,
     ProbeSpec as ProbeSpec,
     RolloutPolicy as RolloutPolicy,

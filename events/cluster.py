@@ -55,6 +55,19 @@ class ProbeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     liveness_timeout_s: float | None = None  # per liveness probe
 
 
+class DockerOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How the docker driver runs the spec's image (a spec's `[docker]` section): what the
+    engines' own docs ask of `docker run` (vLLM and SGLang share tensors between their worker
+    processes through /dev/shm, which docker caps at 64 MB unless told), and the model caches
+    mounted into the container. Added after v1: older logs decode with the defaults, which run
+    as they always did. The process driver ignores it."""
+
+    ipc: str = ""  # "host": the host's IPC namespace (the engines' advice); "": docker's own
+    shm_size: str = ""  # /dev/shm's size, docker's syntax ("16g"); "": docker's 64 MB
+    volumes: tuple[str, ...] = ()  # `docker run -v` values: "/host/dir:/container/dir[:ro]"
+    pull: str = "missing"  # "missing": pull when not on the node; "always"; "never"
+
+
 class AutoscaleSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """How the leader's autoscaler sizes the cluster from the gateways' load reports (a spec's
     `[autoscale]` section; actors/autoscaler.py, docs/autoscaling.md). Absent: the replica count
@@ -113,6 +126,9 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # writes inline is replaced by its reference before anything is recorded. Added after v1:
     # older logs decode with none.
     secret_env: dict[str, str] = {}
+    # Options of `docker run` (the `[docker]` section). Added after v1: older logs decode with
+    # the defaults.
+    docker: DockerOptions = DockerOptions()
 
 
 class ClusterCreated(

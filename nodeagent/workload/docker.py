@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import re
 import shlex
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +36,35 @@ _log = structlog.get_logger("gpumesh.nodeagent.docker")
 NODE_LABEL = "gpumesh.node"
 DEFAULT_CONTAINER_PORT = 8000  # what vLLM, TGI and most OpenAI-compatible servers listen on
 _CLI_TIMEOUT_S = 30.0  # for the short docker commands (info, rm, stop's own round trip)
+# `docker run -d` of an image already pulled returns once the container is created; only a
+# stuck engine takes longer. The pull before it has no limit: large images take long.
+_RUN_TIMEOUT_S = 120.0
+PULL_PROGRESS_EVERY_S = 2.0
+
+
+_LAYER = re.compile(r"[0-9a-f]{2,64}")  # a layer's short id, as `docker pull` names it
+
+
+class PullProgress:
+    """`docker pull`'s lines, as it writes them when its output is not a terminal
+    (`<layer>: Pulling fs layer`, `<layer>: Pull complete`, `<layer>: Already exists`): which
+    layers it has seen, and how many are done."""
+
+    def __init__(self) -> None:
+        self.layers: dict[str, bool] = {}
+
+    @property
+    def done(self) -> int:
+        return sum(self.layers.values())
+
+    def read(self, line: str) -> None:
+        layer, sep, status = line.strip().partition(": ")
+        if not sep or not _LAYER.fullmatch(layer):
+            return  # "Using default tag: latest", "Status: ...", "Digest: ...", "latest: ..."
+        if status in ("Pull complete", "Already exists"):
+            self.layers[layer] = True
+        else:
+            self.layers.setdefault(layer, False)
 
 
 def docker_run_argv(
@@ -60,6 +90,15 @@ def docker_run_argv(
         # The quotes are docker's: without them the comma would split the --gpus option.
         argv += ["--gpus", f'"device={gpu_ids(gpu_indices)}"']
     argv += ["-p", f"{host}:{host_port}:{container_port}"]
+    options = spec.docker
+    if options.ipc:
+        argv += ["--ipc", options.ipc]
+    if options.shm_size:
+        argv += ["--shm-size", options.shm_size]
+    for volume in options.volumes:
+        argv += ["-v", volume]
+    # The driver has pulled the image already (DockerDriver.pull), where its progress is seen.
+    argv += ["--pull", "never"]
     for key, value in spec.env.items():
         argv += ["-e", f"{key}={value}"]
     # A secret's value is not put on the command line (every local user may read it there):
@@ -140,6 +179,62 @@ class DockerDriver:
                 "start the docker daemon or use --workload-driver process"
             )
 
+    async def has_image(self, image: str) -> bool:
+        code, _, _ = await _run(self.docker, "image", "inspect", "--format", "{{.Id}}", image)
+        return code == 0
+
+    async def pull(self, image: str, policy: str = "missing", *, replica: str = "") -> None:
+        """Make sure `image` is on this node, as the spec's `docker.pull` says, logging the
+        pull's progress (layers done of those seen, at most every PULL_PROGRESS_EVERY_S) and
+        how long it took. WorkloadStartError, in one line, when it cannot be had."""
+        if policy != "always" and await self.has_image(image):
+            return
+        if policy == "never":
+            raise WorkloadStartError(
+                f"image {image} is not on this node and docker.pull is never: "
+                f"run `docker pull {image}` there, or set docker.pull to missing"
+            )
+        log = _log.bind(replica=replica, image=image)
+        log.info("image_pull_started", reason=policy)
+        clock = asyncio.get_running_loop()  # the loop's time: virtual in the simulator
+        started = clock.time()
+        progress = PullProgress()
+        proc = await asyncio.create_subprocess_exec(
+            self.docker, "pull", image,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        try:
+            shown = started
+            async for raw in proc.stdout:
+                progress.read(raw.decode(errors="replace"))
+                now = clock.time()
+                if now - shown >= PULL_PROGRESS_EVERY_S:
+                    shown = now
+                    log.info(
+                        "image_pull_progress",
+                        layers_done=progress.done,
+                        layers=len(progress.layers),
+                        elapsed_s=round(now - started, 1),
+                    )
+            err = (await proc.stderr.read()).decode(errors="replace")
+            code = await proc.wait()
+        except BaseException:
+            await _reap(proc)
+            raise
+        if code != 0:
+            raise WorkloadStartError(
+                f"docker pull {image} failed: {_last_line(err)} (is the name right? a "
+                "private registry needs `docker login` on the node)"
+            )
+        log.info(
+            "image_pulled",
+            layers=len(progress.layers),
+            seconds=round(clock.time() - started, 1),
+        )
+
     async def start(
         self,
         replica_id: str,
@@ -150,6 +245,7 @@ class DockerDriver:
     ) -> DockerWorkload:
         if not spec.image:
             raise WorkloadStartError(f"cluster {spec.name!r} has no image for the docker driver")
+        await self.pull(spec.image, spec.docker.pull, replica=replica_id)
         host_port = port or free_port(self.host)
         name = f"gpumesh-{replica_id}-{epoch}"
         # A container of the same name is left from an earlier run of this replica: ours to end.
@@ -166,9 +262,8 @@ class DockerDriver:
             node_id=self.node_id,
         )
         try:
-            # No timeout: `docker run` pulls the image first, which can take long.
             secrets = {**os.environ, **spec.secret_env} if spec.secret_env else None
-            code, out, err = await _run(*argv, timeout=None, env=secrets)
+            code, out, err = await _run(*argv, timeout=_RUN_TIMEOUT_S, env=secrets)
         except FileNotFoundError:
             raise WorkloadStartError(f"docker is not installed ({self.docker!r})") from None
         if code != 0:

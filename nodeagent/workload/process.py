@@ -20,6 +20,7 @@ import structlog
 from events.cluster import ClusterSpec
 
 from .base import WorkloadEnded, WorkloadStartError, gpu_ids, model_name, render_args
+from .engines import missing_program
 from .leftovers import Records, die_with_parent
 from .ports import free_port
 from .probing import ProbeSettings, exit_within, probe_paths, wait_ready, watch
@@ -87,6 +88,8 @@ class ProcessDriver:
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
+        except FileNotFoundError:
+            raise WorkloadStartError(missing_program(argv[0])) from None
         except OSError as exc:
             raise WorkloadStartError(f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
         finally:

@@ -130,3 +130,64 @@ def test_a_spec_written_before_probes_existed_decodes_and_encodes_unchanged() ->
     )
     later = decode_payload("cluster.spec_changed.v1", changed)
     assert isinstance(later, ClusterSpecChanged) and later.spec.probes == ProbeSpec()
+
+
+def test_the_docker_section_parses() -> None:
+    spec = parse_toml(
+        'name = "sgl"\nimage = "lmsysorg/sglang:latest"\n[docker]\nipc = "host"\n'
+        'shm_size = "32g"\nvolumes = ["/models/hf:/root/.cache/huggingface", "cache:/c:ro"]\n'
+        'pull = "always"\n'
+    )
+    assert spec.docker.ipc == "host" and spec.docker.shm_size == "32g"
+    assert spec.docker.volumes == ("/models/hf:/root/.cache/huggingface", "cache:/c:ro")
+    assert spec.docker.pull == "always"
+    assert parse_toml('name = "x"\nimage = "i"').docker.pull == "missing"
+
+
+@pytest.mark.parametrize(
+    ("docker", "message"),
+    [
+        ('ipc = "hots"', "docker.ipc: 'hots' is not one of host, private, shareable"),
+        ('shm_size = "lots"', "docker.shm_size: 'lots' is not a size such as 16g or 512m"),
+        ('shm_size = "0g"', "docker.shm_size: '0g' is not a size"),
+        ('pull = "sometimes"', "docker.pull: 'sometimes' is not one of missing, always, never"),
+        ('volumes = ["/models"]', "docker.volumes[0]: '/models' is not HOST:CONTAINER"),
+        ('volumes = ["/a:/b", "/m:relative"]', "docker.volumes[1]: '/m:relative' is not"),
+        ('volumes = ["/a:/b:rx"]', "docker.volumes[0]: '/a:/b:rx' is not"),
+        ('volumes = "/a:/b"', "docker.volumes: Expected `array`, got `str`"),
+    ],
+)
+def test_bad_docker_sections_name_the_field(docker: str, message: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_toml(f'name = "x"\nimage = "i"\n[docker]\n{docker}\n')
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
+
+
+def test_a_spec_written_before_the_docker_section_encodes_unchanged() -> None:
+    import msgspec
+
+    old = b'{"type":"cluster.created.v1","spec":{"name":"llama","image":"i"}}'
+    event = decode_payload("cluster.created.v1", old)
+    assert isinstance(event, ClusterCreated) and event.spec.docker.pull == "missing"
+    assert msgspec.json.encode(event) == old
+
+
+def test_every_engine_template_in_the_workloads_doc_parses() -> None:
+    import shlex
+
+    from nodeagent.workload.engines import INSTALL_HINTS
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "workloads.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", doc, re.S)
+    assert len(blocks) >= 6
+    for block in blocks:
+        spec = parse_toml(block, source="docs/workloads.md")
+        assert spec.model, spec.name  # each says what clients send
+        if not spec.image:
+            program = shlex.split(spec.command)[0]
+            # A missing engine is named with how to install it (not python's or sh's own).
+            assert program in INSTALL_HINTS or program in ("python", "sh"), program
+        if "{model}" not in spec.command:
+            # An engine that cannot be told the name answers to its own (Ollama) or to any.
+            assert spec.name in ("ollama-llama", "bge"), spec.name

@@ -1,9 +1,9 @@
 """A stand-in for the docker CLI, for DockerDriver's tests on machines without an engine.
 
-It understands the commands DockerDriver issues (info, rm, run, wait, logs, stop, kill, and ps
-with one label filter) for one container, "c1", which is the echo workload run directly on the
-published host port. State lives in $FAKE_DOCKER_STATE: run.json (the run argv), c1.pid, and
-c1.exit once it ended.
+It understands the commands DockerDriver issues (info, image inspect, pull, rm, run, wait,
+logs, stop, kill, and ps with one label filter) for one container, "c1", which is the echo
+workload run directly on the published host port. State lives in $FAKE_DOCKER_STATE: run.json
+(the run argv), c1.pid, c1.exit once it ended, images.txt (the images pulled) and pulls.txt.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pathlib import Path
 
 STATE = Path(os.environ["FAKE_DOCKER_STATE"])
 EXIT = STATE / "c1.exit"
-WITH_VALUE = {"--name", "--label", "--gpus", "-p", "-e"}
+WITH_VALUE = {"--name", "--label", "--gpus", "-p", "-e", "--ipc", "--shm-size", "-v", "--pull"}
+IMAGES = STATE / "images.txt"  # the images "on the node", one a line
+PULLS = STATE / "pulls.txt"  # each `docker pull`, one a line
 
 
 def running_pid() -> int:
@@ -81,10 +83,49 @@ def ps(args: list[str]) -> None:
         print("c1")
 
 
+def images() -> list[str]:
+    return IMAGES.read_text().split() if IMAGES.exists() else []
+
+
+def inspect(image: str) -> int:
+    if image in images():
+        print("sha256:" + "0" * 64)
+        return 0
+    print(f"Error: No such image: {image}", file=sys.stderr)
+    return 1
+
+
+def pull(image: str) -> int:
+    """Two layers, as docker writes them when its output is not a terminal; an image whose name
+    has `no-such` in it is refused as a registry refuses an unknown repository."""
+    with PULLS.open("a") as f:
+        f.write(image + "\n")
+    if "no-such" in image:
+        print(
+            f"Error response from daemon: pull access denied for {image}, repository does not "
+            "exist or may require 'docker login'",
+            file=sys.stderr,
+        )
+        return 1
+    for line in (
+        "Using default tag: latest", "a1b2: Pulling fs layer", "c3d4: Pulling fs layer",
+        "c3d4: Already exists", "a1b2: Downloading", "a1b2: Download complete",
+        "a1b2: Pull complete", f"Status: Downloaded newer image for {image}", image,
+    ):  # fmt: skip
+        print(line, flush=True)
+    with IMAGES.open("a") as f:
+        f.write(image + "\n")
+    return 0
+
+
 def main() -> int:
     command, *args = sys.argv[1:]
     if command == "info":
         print("28.2.2")
+    elif command == "image" and args[:1] == ["inspect"]:
+        return inspect(args[-1])
+    elif command == "pull":
+        return pull(args[-1])
     elif command == "run":
         run(args)
     elif command == "wait":

@@ -7,6 +7,7 @@ are skipped where none answers, as on the CI machines.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -18,9 +19,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from events.cluster import ClusterSpec
+from events.cluster import ClusterSpec, DockerOptions
 from nodeagent.workload import DriverUnavailable, WorkloadStartError
-from nodeagent.workload.docker import DockerDriver, docker_run_argv
+from nodeagent.workload.docker import DockerDriver, PullProgress, docker_run_argv
 from nodeagent.workload.probing import ProbeSettings
 
 FAST = ProbeSettings(readiness_timeout_s=20, readiness_interval_s=0.05, liveness_interval_s=0.05)
@@ -94,6 +95,7 @@ def test_run_argv_passes_gpus_ports_env_and_the_rendered_command() -> None:
         "--label", "gpumesh.replica=r1", "--label", "gpumesh.epoch=2",
         "--gpus", '"device=2,3"',
         "-p", "127.0.0.1:41000:8080",
+        "--pull", "never",
         "-e", "HF_HOME=/cache",
         "vllm/vllm-openai:v0.6.0",
         # Inside the container the GPUs are renumbered from 0, and the port is the container's.
@@ -113,7 +115,7 @@ def test_run_argv_without_gpus_or_command_uses_the_image_defaults() -> None:
         host_port=5000,
     )
     assert "--gpus" not in argv
-    assert argv[-3:] == ["-p", "127.0.0.1:5000:8000", "echo:latest"]
+    assert argv[-5:] == ["-p", "127.0.0.1:5000:8000", "--pull", "never", "echo:latest"]
 
 
 @pytest.fixture
@@ -224,3 +226,73 @@ async def test_a_restarted_agent_removes_the_containers_its_node_left(
     assert (state / "c1.exit").exists()
     assert await again.stop_leftovers() == []
     await workload.stop(1.0)
+
+
+def test_run_argv_passes_the_docker_section() -> None:
+    spec = ClusterSpec(
+        name="big",
+        image="lmsysorg/sglang:latest",
+        docker=DockerOptions(
+            ipc="host", shm_size="16g", volumes=("/models/hf:/root/.cache/huggingface:ro",)
+        ),
+    )
+    argv = docker_run_argv(
+        "docker", name="n", replica_id="r", epoch=1, spec=spec, gpu_indices=(0,),
+        host="127.0.0.1", host_port=5000,
+    )  # fmt: skip
+    pairs = list(itertools.pairwise(argv))
+    assert ("--ipc", "host") in pairs and ("--shm-size", "16g") in pairs
+    assert ("-v", "/models/hf:/root/.cache/huggingface:ro") in pairs
+    assert ("--pull", "never") in pairs  # the driver pulled it first, showing progress
+    assert argv[-1] == "lmsysorg/sglang:latest"
+
+
+def test_pull_progress_counts_the_layers_docker_names() -> None:
+    progress = PullProgress()
+    for line in (
+        "Using default tag: latest", "a1: Pulling fs layer", "b2: Pulling fs layer",
+        "b2: Already exists", "a1: Downloading", "Digest: sha256:00", "Status: Downloaded",
+        "latest: Pulling from vllm/vllm-openai",
+    ):  # fmt: skip
+        progress.read(line)
+    assert (progress.done, len(progress.layers)) == (1, 2)
+    progress.read("a1: Pull complete\n")
+    assert (progress.done, len(progress.layers)) == (2, 2)
+
+
+@pytest.mark.integration
+async def test_an_image_is_pulled_once_when_missing_and_each_time_when_always(
+    tmp_path: Path, docker_stand_in: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    docker, state = docker_stand_in
+    driver = DockerDriver(tmp_path / "logs", docker=docker, probes=FAST)
+    await driver.pull("vllm/vllm-openai:v0.6.0", "missing", replica="r1")
+    await driver.pull("vllm/vllm-openai:v0.6.0", "missing", replica="r1")
+    assert (state / "pulls.txt").read_text().split() == ["vllm/vllm-openai:v0.6.0"]
+    out = capsys.readouterr().out
+    assert "image_pull_started" in out and "image_pulled" in out and "layers=2" in out
+    await driver.pull("vllm/vllm-openai:v0.6.0", "always")
+    assert len((state / "pulls.txt").read_text().split()) == 2
+
+
+@pytest.mark.integration
+async def test_an_image_that_cannot_be_had_is_one_clear_line(
+    tmp_path: Path, docker_stand_in: tuple[str, Path]
+) -> None:
+    docker, state = docker_stand_in
+    driver = DockerDriver(tmp_path / "logs", docker=docker, probes=FAST)
+    with pytest.raises(WorkloadStartError) as refused:
+        await driver.start("r1", 1, ClusterSpec(name="x", image="no-such/engine:1"), (), 0)
+    message = str(refused.value)
+    assert message.startswith("docker pull no-such/engine:1 failed: Error response from daemon")
+    assert "docker login" in message and "\n" not in message
+    never = ClusterSpec(
+        name="x", image="vllm/vllm-openai:v0.6.0", docker=DockerOptions(pull="never")
+    )
+    with pytest.raises(WorkloadStartError) as refused:
+        await driver.start("r1", 1, never, (), 0)
+    assert str(refused.value) == (
+        "image vllm/vllm-openai:v0.6.0 is not on this node and docker.pull is never: run "
+        "`docker pull vllm/vllm-openai:v0.6.0` there, or set docker.pull to missing"
+    )
+    assert not (state / "run.json").exists()  # nothing was run

@@ -273,6 +273,15 @@ async def test_log_file_is_appended_across_restarts(
         ("   ", "has no command"),
         ("python -c 'unclosed", "cannot parse the command"),
         ("/nonexistent/model-server --port {port}", "cannot run '/nonexistent/model-server'"),
+        (
+            "/nonexistent/bin/vllm serve m --port {port}",
+            "the engine 'vllm' is not installed on this node \\(not on its PATH\\): pip "
+            "install vllm",
+        ),
+        (
+            "/nonexistent/llama-server -m /m.gguf --port {port}",
+            "the engine 'llama-server' is not installed .* `gpumesh workload llm`",
+        ),
     ],
 )
 async def test_start_errors_are_one_clear_line(
