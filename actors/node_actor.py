@@ -337,6 +337,8 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             agent_version=reg.agent_version,
             price_per_hour=reg.price_per_hour,
             sealing_key=reg.sealing_key,
+            model_cache=reg.model_cache,
+            cached_models=reg.cached_models,
         )
         if self.state.registration != event or self.state.removed:
             await self.persist(ctx, [event])

@@ -21,8 +21,11 @@ The decision has two stages:
    2. fewest replicas of this cluster in the node's zone, then in its region;
    3. nearest to `spec.preferred_region`: the same region, then one with the same first
       dash-separated part ("eu-west" is near "eu-central"), then the rest;
-   4. fewest GPUs allocated as a fraction of the node's GPUs, then lowest mean utilisation;
-   5. lowest price per hour.
+   4. holding the spec's `model_files` in the node's model cache (the agent reports what its
+      cache holds: nodeagent/model_cache.py), so the engine loads from disk rather than
+      downloading; a spec without `model_files` ties here everywhere;
+   5. fewest GPUs allocated as a fraction of the node's GPUs, then lowest mean utilisation;
+   6. lowest price per hour.
 
    Nodes equal on every rule are exact ties. They are sorted by node id and one is drawn from
    `rng`, so equal idle nodes share the load across the fleet rather than always filling the
@@ -148,6 +151,7 @@ def schedule(
     # not cost a quarter of a second (bench/scheduler.py). Rows are plain tuples, and only the
     # nodes the decision names become _Fit objects.
     need = _Need.of(spec)
+    files = spec.model_files
     no_use: frozenset[int] = frozenset()
     rows: list[_Row] = []
     rejects: list[tuple[str, _Reject]] = []
@@ -164,6 +168,7 @@ def schedule(
             in_zone.get((node.region, node.zone), 0),
             in_region.get(node.region, 0),
             _distance(node.region, spec.preferred_region),
+            0 if not files or files in node.cached_models else 1,
             busy / total if total else 0.0,
             _mean_utilization(node),
             _finite_or_inf(node.price_per_hour),
@@ -208,11 +213,11 @@ LISTED = 20
 
 # (key, node id, node, GPUs, GPUs in use, GPUs in all)
 _Row = tuple[
-    tuple[int, int, int, int, float, float, float], str, NodeView, tuple[int, ...], int, int
+    tuple[int, int, int, int, int, float, float, float], str, NodeView, tuple[int, ...], int, int
 ]
 
 
-def _ranking(row: _Row) -> tuple[tuple[int, int, int, int, float, float, float], str]:
+def _ranking(row: _Row) -> tuple[tuple[int, int, int, int, int, float, float, float], str]:
     return row[0], row[1]
 
 
@@ -229,10 +234,11 @@ def _fit(row: _Row) -> _Fit:
         in_zone=key[1],
         in_region=key[2],
         distance=key[3],
+        uncached=key[4],
         used=busy,
         total=total,
-        util=key[5],
-        price=key[6],
+        util=key[6],
+        price=key[7],
     )
 
 
@@ -270,6 +276,7 @@ class _Fit:
     in_zone: int
     in_region: int
     distance: int
+    uncached: int  # 1: the spec names model files this node's cache does not hold
     used: int
     total: int
     util: float
@@ -283,12 +290,13 @@ class _Fit:
         return self.used / self.total if self.total else 0.0
 
     @property
-    def key(self) -> tuple[int, int, int, int, float, float, float]:
+    def key(self) -> tuple[int, int, int, int, int, float, float, float]:
         return (
             self.on_node,
             self.in_zone,
             self.in_region,
             self.distance,
+            self.uncached,
             self.load,
             self.util,
             self.price,
@@ -301,6 +309,7 @@ RULES = (
     "zone spread",
     "region spread",
     "region preference",
+    "model cache",
     "GPU load",
     "utilization",
     "price",
@@ -540,8 +549,10 @@ def _versus(spec: ClusterSpec, rule: int, w: _Fit, r: _Fit) -> str:
             f"{spec.preferred_region}, {r.node.region or '?'} on {other} {NEARNESS[r.distance]} it"
         )
     if rule == 4:
-        return f"{w.used}/{w.total} GPUs used vs {r.used}/{r.total} on {other}"
+        return f"model files {spec.model_files} cached there, not on {other}"
     if rule == 5:
+        return f"{w.used}/{w.total} GPUs used vs {r.used}/{r.total} on {other}"
+    if rule == 6:
         wu, ru = _apart(w.util, r.util, 0)
         return f"mean utilization {wu}% vs {ru}% on {other}"
     wp, rp = _apart(w.price, r.price, 2)
@@ -571,6 +582,9 @@ def _facts(spec: ClusterSpec, w: _Fit) -> str:
     ]
     if spec.preferred_region:
         facts.append(f"region {NEARNESS[w.distance]} preferred {spec.preferred_region}")
+    if spec.model_files:
+        held = "not cached" if w.uncached else "cached"
+        facts.append(f"model files {spec.model_files} {held} there")
     facts.append(f"{w.used}/{w.total} GPUs used, util {w.util:.0f}%, ${w.price:.2f}/h")
     facts.append("GPUs " + (",".join(map(str, w.gpus)) or "none"))
     return "; ".join(facts)

@@ -81,6 +81,13 @@ def validate(spec: ClusterSpec) -> None:
         _validate_sharding(spec.sharding)
     _validate_probes(spec.probes)
     _validate_docker(spec.docker)
+    if spec.model_files and (
+        not _MODEL_FILES.fullmatch(spec.model_files) or ".." in spec.model_files.split("/")
+    ):
+        raise SpecError(
+            f"model_files: {spec.model_files[:80]!r} is not a repo id (ORG/NAME) or a file name "
+            "in a model cache"
+        )
     if spec.autoscale is not None:
         validate_autoscale(spec.autoscale)
 
@@ -107,11 +114,16 @@ def validate_autoscale(a: AutoscaleSpec) -> None:
             raise SpecError(f"autoscale.{name}: must be > 0 and at most 86400 seconds, got {value}")
 
 
+# A Hugging Face repo id or a file or directory name in a node's model cache.
+_MODEL_FILES = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?")
 DOCKER_IPC = ("", "host", "private", "shareable")
 DOCKER_PULL = ("missing", "always", "never")
 _SHM_SIZE = re.compile(r"[1-9][0-9]*[bkmgBKMG]?")
 # A host path (or a named volume), an absolute path in the container, and optionally ro/rw.
-_VOLUME = re.compile(r"(/[^:\0]*|[A-Za-z0-9][A-Za-z0-9_.-]*):(/[^:\0]*)(:(ro|rw))?")
+# `{model_cache}` is the node's model cache directory, filled in by its agent.
+_VOLUME = re.compile(
+    r"(/[^:\0]*|\{model_cache\}[^:\0]*|[A-Za-z0-9][A-Za-z0-9_.-]*):(/[^:\0]*)(:(ro|rw))?"
+)
 
 
 def _validate_docker(d: DockerOptions) -> None:

@@ -129,6 +129,10 @@ class ClusterSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     # Options of `docker run` (the `[docker]` section). Added after v1: older logs decode with
     # the defaults.
     docker: DockerOptions = DockerOptions()
+    # What the engine loads, as a node's model cache names it (a Hugging Face repo id, or a file
+    # or directory in the cache: nodeagent/model_cache.py): placement prefers a node that holds
+    # it. Added after v1: older logs decode with "", which prefers none.
+    model_files: str = ""
 
 
 class ClusterCreated(

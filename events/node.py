@@ -90,6 +90,10 @@ class NodeRegistered(
     # The node's X25519 public key (base64) that secrets are sealed to; "" for an agent older
     # than `secret_env` (and in every row written before it), which is sent no secrets.
     sealing_key: str = ""
+    # The node's model cache directory and what it holds (nodeagent/model_cache.py), for
+    # placement; added after v1, so older rows decode with none.
+    model_cache: str = ""
+    cached_models: tuple[str, ...] = ()
 
 
 class NodeHeartbeat(

@@ -44,6 +44,7 @@ from .config import AgentConfig
 from .fencing_front import DirectFront, front_path
 from .gpu.probe import FaultInjectable, GpuProbe, ProbeError
 from .metrics import AgentCounters
+from .model_cache import CACHE_SCAN_S, cached_models
 from .replica import ReplicaRunner, http_address
 from .tunnel import TunnelServer
 from .workload.base import WorkloadDriver, WorkloadStartError
@@ -82,6 +83,13 @@ class _Recent:
         return item in self._items
 
 
+CacheLister = Callable[[str], Awaitable[tuple[str, ...]]]
+
+
+async def _list_in_thread(cache: str) -> tuple[str, ...]:
+    return await asyncio.to_thread(cached_models, cache)
+
+
 class Agent:
     def __init__(
         self,
@@ -93,14 +101,18 @@ class Agent:
         *,
         read_lease: LeaseReader | None = None,
         key: NodeKey | None = None,
+        list_cache: CacheLister | None = None,
     ) -> None:
         """`read_lease`: the leader lease's record now, read through the lease stream's
         leader (wire/lease_read.py; None when nobody holds it). With it, an agent whose
         controller stopped answering and stopped renewing keeps its lease (the stalled
         leader, below); without it, only "no responders" does that. `key`: the node's
         X25519 key pair, which the controller seals a replica's secrets to (wire/sealing.py);
-        without one the agent registers as an older agent, and is sent no secrets."""
+        without one the agent registers as an older agent, and is sent no secrets.
+        `list_cache`: what the model cache holds (default: nodeagent/model_cache.py, in a
+        thread; the simulator has no threads, so its tests pass their own)."""
         self.key = key
+        self._list_cache = list_cache or _list_in_thread
         self._env = env.bind(node=config.node_id)
         self._read_lease = read_lease
         self._log: Any = self._env.log
@@ -120,6 +132,7 @@ class Agent:
         self._seq = 0
         self._probe_failing = False
         self.registrations = 0  # accepted registrations, for tests and status
+        self.cached_models: tuple[str, ...] = ()  # what the model cache held when registered
         # The overlay transport's end: HTTP requests over NATS to our workloads, which listen
         # where the driver probes them (loopback unless configured otherwise).
         self._local_host = driver.host
@@ -203,6 +216,8 @@ class Agent:
                 self._front_base = http_address(self.config.address, self.front.port)
             group.create_task(self._leave_when_told(), name="agent leaving")
             group.create_task(self._registration(), name="agent registration")
+            if self.config.model_cache:
+                group.create_task(self._watch_model_cache(), name="agent model cache")
             await self._registered.wait()
             group.create_task(self._heartbeats(), name="agent heartbeats")
             group.create_task(self._consume_commands(), name="agent commands")
@@ -262,6 +277,8 @@ class Agent:
         except ProbeError as exc:
             return f"cannot read the GPU inventory: {exc}"
         cfg = self.config
+        if cfg.model_cache:
+            self.cached_models = await self._list_cache(cfg.model_cache)
         message = Register(
             node_id=cfg.node_id,
             hostname=cfg.hostname,
@@ -276,6 +293,8 @@ class Agent:
             price_per_hour=cfg.price_per_hour,
             replicas=self.replicas(),
             sealing_key=self.key.public if self.key is not None else "",
+            model_cache=cfg.model_cache,
+            cached_models=self.cached_models,
         )
         subject = subjects.register(cfg.node_id)
         try:
@@ -303,6 +322,16 @@ class Agent:
             interval_s=self.heartbeat_interval,
         )
         return ""
+
+    async def _watch_model_cache(self) -> None:
+        """Register again when the model cache's listing changes (a model fetched or deleted),
+        so placement sees what the node holds now; the controller records only a change."""
+        while True:
+            await asyncio.sleep(CACHE_SCAN_S)
+            listed = await self._list_cache(self.config.model_cache)
+            if listed != self.cached_models and self._registered.is_set():
+                self._log.info("model_cache_changed", models=len(listed))
+                self._reregister.set()
 
     # Heartbeats.
 

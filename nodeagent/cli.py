@@ -76,6 +76,14 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
     )
     agent.add_argument("--price", type=float, default=0.0, help="cost per hour, for placement")
     agent.add_argument(
+        "--model-cache",
+        metavar="DIR",
+        default="",
+        help="this node's model cache directory: what it holds is reported for placement (a "
+        "spec's model_files prefers a node that has them), and {model_cache} in a spec's "
+        "command and docker volumes is this path (docs/workloads.md)",
+    )
+    agent.add_argument(
         "--address",
         default="127.0.0.1",
         help="host where this node's workloads are reachable (default 127.0.0.1)",
@@ -239,6 +247,7 @@ async def run_agent(args: argparse.Namespace) -> int:
             agent_version=_agent_version(),
             direct_front=not args.no_direct_fence,
             front_port=args.front_port,
+            model_cache=_cache_dir(args),
         )
     except ValueError as exc:
         _error(str(exc))
@@ -308,7 +317,7 @@ async def _open_driver(args: argparse.Namespace) -> Any:
     if args.workload_driver == "docker":
         from .workload.docker import DockerDriver
 
-        driver = DockerDriver(log_dir, node_id=args.node_id)
+        driver = DockerDriver(log_dir, node_id=args.node_id, model_cache=_cache_dir(args))
         try:
             await driver.check()
         except DriverUnavailable as exc:
@@ -321,7 +330,11 @@ async def _open_driver(args: argparse.Namespace) -> Any:
     data_dir = Path(getattr(args, "data_dir", None) or ".")
     records = Records(data_dir / "workloads" / args.node_id)
     await stop_leftovers(records)
-    return ProcessDriver(log_dir, records=records)
+    return ProcessDriver(log_dir, records=records, model_cache=_cache_dir(args))
+
+
+def _cache_dir(args: argparse.Namespace) -> str:
+    return str(Path(args.model_cache).resolve()) if args.model_cache else ""
 
 
 async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driver: Any) -> int:

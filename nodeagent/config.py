@@ -57,6 +57,9 @@ class AgentConfig:
     # a replica only while the controller's lease covers it: the direct transport's fence.
     direct_front: bool = False
     front_port: int = 0  # 0: any free port
+    # The node's model cache directory (nodeagent/model_cache.py): listed for placement, and
+    # `{model_cache}` in a spec's command and docker volumes; "": none.
+    model_cache: str = ""
 
     def __post_init__(self) -> None:
         if not valid_id(self.node_id):

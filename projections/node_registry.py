@@ -46,6 +46,8 @@ def apply(state: NodeRegistry, envelope: Envelope) -> NodeRegistry:
                 cuda_version=reg.cuda_version,
                 price_per_hour=reg.price_per_hour,
                 sealing_key=reg.sealing_key,
+                model_cache=reg.model_cache,
+                cached_models=reg.cached_models,
                 # A re-registration (agent restart) keeps the verdicts already reached.
                 health=previous.health if previous else "healthy",
                 health_reason=previous.health_reason if previous else "registered",

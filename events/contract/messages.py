@@ -49,6 +49,10 @@ class Register(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ta
     # The node's X25519 public key (32 bytes, base64), which secrets are sealed to
     # (SealedSecrets). Absent: an agent older than `secret_env`, which is sent no secrets.
     sealing_key: str = ""
+    # The node's model cache directory (`gpumesh agent --model-cache`) and the names of what it
+    # holds (nodeagent/model_cache.py); sent again when that changes. Absent: none.
+    model_cache: str = ""
+    cached_models: tuple[str, ...] = ()
 
 
 class RegisterReply(

@@ -77,13 +77,21 @@ class WorkloadDriver(Protocol):
         ...
 
 
-def render_args(args: Sequence[str], *, port: int, gpu_ids: str, model: str) -> list[str]:
-    """Substitute {port}, {gpu_ids} and {model} inside each argument.
+def render_args(
+    args: Sequence[str], *, port: int, gpu_ids: str, model: str, model_cache: str = ""
+) -> list[str]:
+    """Substitute {port}, {gpu_ids}, {model} and {model_cache} (the node's model cache
+    directory, `gpumesh agent --model-cache`) inside each argument.
 
     After splitting, not before, so a model name with spaces stays one argument; and by plain
     replacement rather than str.format, so other braces (JSON flags) pass through untouched.
     """
-    values = {"{port}": str(port), "{gpu_ids}": gpu_ids, "{model}": model}
+    values = {
+        "{port}": str(port),
+        "{gpu_ids}": gpu_ids,
+        "{model}": model,
+        "{model_cache}": model_cache,
+    }
     rendered = []
     for arg in args:
         for placeholder, value in values.items():

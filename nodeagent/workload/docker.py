@@ -78,8 +78,10 @@ def docker_run_argv(
     host: str,
     host_port: int,
     node_id: str = "",
+    model_cache: str = "",
 ) -> list[str]:
-    """The `docker run` command line for one replica."""
+    """The `docker run` command line for one replica; `model_cache` is the node's model cache
+    directory, `{model_cache}` in the command and the volumes."""
     container_port = spec.port or DEFAULT_CONTAINER_PORT
     argv = [docker, "run", "--rm", "-d", "--name", name]
     argv += ["--label", f"gpumesh.replica={replica_id}", "--label", f"gpumesh.epoch={epoch}"]
@@ -96,7 +98,7 @@ def docker_run_argv(
     if options.shm_size:
         argv += ["--shm-size", options.shm_size]
     for volume in options.volumes:
-        argv += ["-v", volume]
+        argv += ["-v", volume.replace("{model_cache}", model_cache)]
     # The driver has pulled the image already (DockerDriver.pull), where its progress is seen.
     argv += ["--pull", "never"]
     for key, value in spec.env.items():
@@ -114,6 +116,7 @@ def docker_run_argv(
             port=container_port,
             gpu_ids=local_ids,
             model=model_name(spec),
+            model_cache=model_cache,
         )
     return argv
 
@@ -129,12 +132,14 @@ class DockerDriver:
         probes: ProbeSettings | None = None,
         host: str = "127.0.0.1",
         node_id: str = "",
+        model_cache: str = "",
     ) -> None:
         self.log_dir = log_dir
         self.docker = docker
         self.probes = probes if probes is not None else ProbeSettings()
         self.host = host
         self.node_id = node_id  # labels its containers; "" leaves them unlabelled
+        self.model_cache = model_cache  # {model_cache} in a spec's command and volumes
 
     async def stop_leftovers(self) -> list[str]:
         """Remove every container labelled with this node that a previous run of the agent
@@ -260,6 +265,7 @@ class DockerDriver:
             host=self.host,
             host_port=host_port,
             node_id=self.node_id,
+            model_cache=self.model_cache,
         )
         try:
             secrets = {**os.environ, **spec.secret_env} if spec.secret_env else None

@@ -41,11 +41,13 @@ class ProcessDriver:
         probes: ProbeSettings | None = None,
         host: str = "127.0.0.1",
         records: Records | None = None,
+        model_cache: str = "",
     ) -> None:
         self.log_dir = log_dir
         self.probes = probes if probes is not None else ProbeSettings()
         self.host = host  # where the probes reach the workload
         self.records = records  # what is running, for the agent's next run (leftovers.py)
+        self.model_cache = model_cache  # {model_cache} in a command
 
     def log_path(self, replica_id: str, epoch: int) -> Path:
         return self.log_dir / f"{replica_id}-{epoch}.log"
@@ -66,7 +68,9 @@ class ProcessDriver:
             raise WorkloadStartError(f"cluster {spec.name!r} has no command to run")
         port = port or spec.port or free_port(self.host)
         ids = gpu_ids(gpu_indices)
-        argv = render_args(template, port=port, gpu_ids=ids, model=model_name(spec))
+        argv = render_args(
+            template, port=port, gpu_ids=ids, model=model_name(spec), model_cache=self.model_cache
+        )
         env = {
             **os.environ,
             **spec.env,

@@ -931,3 +931,28 @@ def test_a_fleet_larger_than_the_listing_lists_the_best_and_counts_the_rest(
             assert f"; {len(rejected_ids)} rejected (" in result.why
     else:
         assert " listed" not in result.why
+
+
+def test_a_node_holding_the_model_files_wins_over_a_less_loaded_one() -> None:
+    files = "meta-llama/Llama-3.1-8B-Instruct"
+    busy = node("busy", 2, cached_models=("a.gguf", files), price_per_hour=0.9)
+    idle = node("idle", 2, cached_models=("a.gguf",), price_per_hour=0.1)
+    held = [replica("busy", 0)]  # another cluster's: busy is half used
+    result = placed([busy, idle], spec(model_files=files), held)
+    assert result.node_id == "busy"
+    assert f"wins on model cache (model files {files} cached there, not on idle)" in result.why
+    assert f"model files {files} cached there" in result.why
+    # Without model_files the cache is no rule: the idle node wins on load, as before.
+    assert placed([busy, idle], spec(), held).node_id == "idle"
+    # Spread still comes first: a second replica goes to the node without the files.
+    ours = [replica("busy", 0, cluster="llama")]
+    result = placed([busy, idle], spec(model_files=files), ours)
+    assert result.node_id == "idle" and "model files " + files + " not cached there" in result.why
+
+
+def test_region_preference_comes_before_the_cache() -> None:
+    files = "x.gguf"
+    cached_far = node("far", region="us-east", cached_models=(files,))
+    near = node("near", region="eu-west")
+    result = placed([cached_far, near], spec(preferred_region="eu-west", model_files=files))
+    assert result.node_id == "near" and "wins on region preference" in result.why

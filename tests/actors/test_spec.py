@@ -191,3 +191,24 @@ def test_every_engine_template_in_the_workloads_doc_parses() -> None:
         if "{model}" not in spec.command:
             # An engine that cannot be told the name answers to its own (Ollama) or to any.
             assert spec.name in ("ollama-llama", "bge"), spec.name
+
+
+@pytest.mark.parametrize(
+    "files", ["../etc/passwd", "/abs/path", "a/b/c", "org/..", "has space", "x\ny"]
+)
+def test_model_files_must_be_a_repo_id_or_a_name_in_the_cache(files: str) -> None:
+    with pytest.raises(SpecError) as info:
+        from actors.spec import from_mapping
+
+        from_mapping({"name": "x", "command": "c", "model_files": files})
+    assert str(info.value).startswith("model_files: ")
+    assert "\n" not in str(info.value)
+
+
+def test_model_files_and_the_cache_placeholder_parse() -> None:
+    spec = parse_toml(
+        'name = "x"\nimage = "i"\nmodel_files = "meta-llama/Llama-3.1-8B-Instruct"\n'
+        '[docker]\nvolumes = ["{model_cache}:/root/.cache/huggingface:ro"]\n'
+    )
+    assert spec.model_files == "meta-llama/Llama-3.1-8B-Instruct"
+    assert spec.docker.volumes == ("{model_cache}:/root/.cache/huggingface:ro",)

@@ -296,3 +296,18 @@ async def test_an_image_that_cannot_be_had_is_one_clear_line(
         "`docker pull vllm/vllm-openai:v0.6.0` there, or set docker.pull to missing"
     )
     assert not (state / "run.json").exists()  # nothing was run
+
+
+def test_the_nodes_model_cache_fills_the_volumes_and_the_command() -> None:
+    spec = ClusterSpec(
+        name="v",
+        image="vllm/vllm-openai:v0.6.3",
+        command="--download-dir {model_cache} --port {port}",
+        docker=DockerOptions(volumes=("{model_cache}:/root/.cache/huggingface",)),
+    )
+    argv = docker_run_argv(
+        "docker", name="n", replica_id="r", epoch=1, spec=spec, gpu_indices=(),
+        host="127.0.0.1", host_port=5000, model_cache="/srv/models",
+    )  # fmt: skip
+    assert ("-v", "/srv/models:/root/.cache/huggingface") in list(itertools.pairwise(argv))
+    assert argv[-4:] == ["--download-dir", "/srv/models", "--port", "8000"]
