@@ -173,6 +173,11 @@ class Fleet(Protocol):
         """Why the spec's secrets can reach no node ('' when they can)."""
         ...
 
+    async def prepull(self, spec: ClusterSpec, revision: int) -> list[str]:
+        """Ask the nodes that could host `spec` to pull its image now (`[docker] prepull`);
+        the nodes asked."""
+        ...
+
 
 def _good(node: NodeView | None) -> bool:
     # A suspect node's replicas still count as serving: moving them on two missed heartbeats
@@ -461,6 +466,12 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
     ) -> list[int]:
         positions = await self.persist(ctx, events)
         await self.fleet.live.wait_for(positions[-1])
+        for event in events:
+            # Recorded first: a controller that fails over before asking asks nobody, and the
+            # replicas still start (pulling then, as without prepull).
+            if isinstance(event, ClusterCreated | ClusterSpecChanged) and event.spec.docker.prepull:
+                revision = event.revision if isinstance(event, ClusterSpecChanged) else 1
+                await self.fleet.prepull(event.spec, revision)
         return positions
 
     async def _reconcile(self, ctx: ActorContext[ClusterMsg]) -> int:

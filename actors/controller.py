@@ -27,6 +27,7 @@ from events.contract.messages import (
     HeartbeatAck,
     Leaving,
     LeavingReply,
+    PullImage,
     Register,
     RegisterReply,
     ReplicaLease,
@@ -53,6 +54,7 @@ from .intake_limit import IntakeLimiter
 from .live_state import LiveState
 from .node_actor import Beat, Drain, Join, NodeActor, NodeMsg
 from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report, Suspect
+from .scheduler import could_host, image_ref
 from .secret_keeper import SecretKeeper
 from .silence_watch import SilenceWatch
 
@@ -299,6 +301,29 @@ class Controller:
     async def secrets_unavailable(self, spec: ClusterSpec) -> str:
         """Why `spec`'s secrets can go to no node ('' when they can: SecretKeeper)."""
         return await self.secrets.unavailable(spec) if spec.secret_env else ""
+
+    async def prepull(self, spec: ClusterSpec, revision: int) -> list[str]:
+        """A `[docker] prepull` spec was recorded: tell every node that could host one of its
+        replicas (scheduler.could_host) and does not list its image to pull it now, ahead of
+        any placement. Returns those nodes. Nothing is recorded: what a node pulled shows in
+        its next registration (`images`), which placement then prefers."""
+        if not (spec.docker.prepull and spec.image):
+            return []
+        image = image_ref(spec.image)
+        now_ns = self.env.clock.wall_ns()
+        nodes = self.live.state.nodes.nodes
+        asked = [
+            node_id
+            for node_id, node in sorted(nodes.items())
+            if image not in node.images and could_host(node, spec, now_ns=now_ns)
+        ]
+        for node_id in asked:
+            command = PullImage(
+                command_id=f"pull:{spec.name}:{revision}:{node_id}", image=image, cluster=spec.name
+            )
+            await self.commands.send(node_id, command)
+        self.log.info("prepull_requested", cluster=spec.name, image=image, nodes=len(asked))
+        return asked
 
     async def _respawn(self) -> None:
         """After a restart: actors for every known node (silence detection restarts with a

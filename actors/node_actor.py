@@ -339,6 +339,7 @@ class NodeActor(EventSourcedActor[NodeMsg, NodeState]):
             sealing_key=reg.sealing_key,
             model_cache=reg.model_cache,
             cached_models=reg.cached_models,
+            images=reg.images,
         )
         if self.state.registration != event or self.state.removed:
             await self.persist(ctx, [event])

@@ -21,9 +21,10 @@ The decision has two stages:
    2. fewest replicas of this cluster in the node's zone, then in its region;
    3. nearest to `spec.preferred_region`: the same region, then one with the same first
       dash-separated part ("eu-west" is near "eu-central"), then the rest;
-   4. holding the spec's `model_files` in the node's model cache (the agent reports what its
-      cache holds: nodeagent/model_cache.py), so the engine loads from disk rather than
-      downloading; a spec without `model_files` ties here everywhere;
+   4. holding what the replica needs on disk: the spec's `model_files` in the node's model
+      cache (the agent reports what its cache holds: nodeagent/model_cache.py), and the spec's
+      `image` among the node's container images, so the engine neither downloads its weights
+      nor waits for a pull; fewest of the two missing wins. A spec with neither ties here;
    5. fewest GPUs allocated as a fraction of the node's GPUs, then lowest mean utilisation;
    6. lowest price per hour.
 
@@ -55,7 +56,17 @@ from events.gpu_names import matches
 from projections.views import NodeView, ReplicaView
 from runtime.env import RandomSource
 
-__all__ = ["NoFit", "Placement", "accepts", "cordon_end", "cordoned", "free_gpus", "schedule"]
+__all__ = [
+    "NoFit",
+    "Placement",
+    "accepts",
+    "cordon_end",
+    "cordoned",
+    "could_host",
+    "free_gpus",
+    "image_ref",
+    "schedule",
+]
 
 # A failed or stopped replica's process is gone, so its GPUs are free again.
 RELEASED = frozenset({"failed", "stopped"})
@@ -152,6 +163,7 @@ def schedule(
     # nodes the decision names become _Fit objects.
     need = _Need.of(spec)
     files = spec.model_files
+    image = image_ref(spec.image)
     no_use: frozenset[int] = frozenset()
     rows: list[_Row] = []
     rejects: list[tuple[str, _Reject]] = []
@@ -168,7 +180,8 @@ def schedule(
             in_zone.get((node.region, node.zone), 0),
             in_region.get(node.region, 0),
             _distance(node.region, spec.preferred_region),
-            0 if not files or files in node.cached_models else 1,
+            (files != "" and files not in node.cached_models)
+            + (image != "" and image not in node.images),
             busy / total if total else 0.0,
             _mean_utilization(node),
             _finite_or_inf(node.price_per_hour),
@@ -276,7 +289,7 @@ class _Fit:
     in_zone: int
     in_region: int
     distance: int
-    uncached: int  # 1: the spec names model files this node's cache does not hold
+    uncached: int  # of the spec's model files and image, how many the node does not hold
     used: int
     total: int
     util: float
@@ -309,7 +322,7 @@ RULES = (
     "zone spread",
     "region spread",
     "region preference",
-    "model cache",
+    "cache",
     "GPU load",
     "utilization",
     "price",
@@ -349,6 +362,12 @@ class _Need:
     @property
     def vram(self) -> str:
         return f" with >= {self.min_vram_mib} MiB" if self.min_vram_mib > 0 else ""
+
+
+def could_host(node: NodeView, spec: ClusterSpec, *, now_ns: int = 0) -> bool:
+    """Whether the node passes every filter with all its GPUs free: a node a replica of
+    `spec` may be placed on some day (where a `[docker] prepull` pulls the image)."""
+    return not isinstance(_filter(node, spec, (), (), now_ns=now_ns), _Reject)
 
 
 def _filter(
@@ -549,7 +568,8 @@ def _versus(spec: ClusterSpec, rule: int, w: _Fit, r: _Fit) -> str:
             f"{spec.preferred_region}, {r.node.region or '?'} on {other} {NEARNESS[r.distance]} it"
         )
     if rule == 4:
-        return f"model files {spec.model_files} cached there, not on {other}"
+        mine, theirs = _held(spec, w.node), _held(spec, r.node)
+        return f"{' and '.join(h for h in mine if h not in theirs)} there, not on {other}"
     if rule == 5:
         return f"{w.used}/{w.total} GPUs used vs {r.used}/{r.total} on {other}"
     if rule == 6:
@@ -582,12 +602,33 @@ def _facts(spec: ClusterSpec, w: _Fit) -> str:
     ]
     if spec.preferred_region:
         facts.append(f"region {NEARNESS[w.distance]} preferred {spec.preferred_region}")
-    if spec.model_files:
-        held = "not cached" if w.uncached else "cached"
-        facts.append(f"model files {spec.model_files} {held} there")
+    held = _held(spec, w.node)
+    if spec.model_files and spec.model_files not in w.node.cached_models:
+        held.append(f"model files {spec.model_files} not cached")
+    if held:
+        facts.append(", ".join(held) + " there")
     facts.append(f"{w.used}/{w.total} GPUs used, util {w.util:.0f}%, ${w.price:.2f}/h")
     facts.append("GPUs " + (",".join(map(str, w.gpus)) or "none"))
     return "; ".join(facts)
+
+
+def image_ref(image: str) -> str:
+    """`image` as `docker image ls` lists it, REPOSITORY:TAG: a name without a tag is
+    `:latest`; "" stays "". A digest reference is kept as it is (the listing never matches
+    it, so it ranks as not held)."""
+    if not image or "@" in image or ":" in image.rsplit("/", 1)[-1]:
+        return image
+    return image + ":latest"
+
+
+def _held(spec: ClusterSpec, node: NodeView) -> list[str]:
+    held = []
+    if spec.model_files and spec.model_files in node.cached_models:
+        held.append(f"model files {spec.model_files} cached")
+    image = image_ref(spec.image)
+    if image and image in node.images:
+        held.append(f"image {image} pulled")
+    return held
 
 
 def _line(text: str) -> str:

@@ -66,6 +66,10 @@ class DockerOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     shm_size: str = ""  # /dev/shm's size, docker's syntax ("16g"); "": docker's 64 MB
     volumes: tuple[str, ...] = ()  # `docker run -v` values: "/host/dir:/container/dir[:ro]"
     pull: str = "missing"  # "missing": pull when not on the node; "always"; "never"
+    # Pull the image on every node that could host a replica as soon as the spec is recorded,
+    # before any placement there (actors/controller.py prepull): a replica placed later starts
+    # without the pull, and placement prefers nodes that have it.
+    prepull: bool = False
 
 
 class AutoscaleSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

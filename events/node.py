@@ -94,6 +94,7 @@ class NodeRegistered(
     # placement; added after v1, so older rows decode with none.
     model_cache: str = ""
     cached_models: tuple[str, ...] = ()
+    images: tuple[str, ...] = ()  # the container images it holds (docker driver)
 
 
 class NodeHeartbeat(

@@ -26,6 +26,7 @@ from events.contract.messages import (
     LeaderRecord,
     Leaving,
     LeavingReply,
+    PullImage,
     Register,
     RegisterReply,
     ReplicaReport,
@@ -133,6 +134,7 @@ class Agent:
         self._probe_failing = False
         self.registrations = 0  # accepted registrations, for tests and status
         self.cached_models: tuple[str, ...] = ()  # what the model cache held when registered
+        self.images: tuple[str, ...] = ()  # the container images held when registered
         # The overlay transport's end: HTTP requests over NATS to our workloads, which listen
         # where the driver probes them (loopback unless configured otherwise).
         self._local_host = driver.host
@@ -216,8 +218,8 @@ class Agent:
                 self._front_base = http_address(self.config.address, self.front.port)
             group.create_task(self._leave_when_told(), name="agent leaving")
             group.create_task(self._registration(), name="agent registration")
-            if self.config.model_cache:
-                group.create_task(self._watch_model_cache(), name="agent model cache")
+            if self.config.model_cache or self._image_lister() is not None:
+                group.create_task(self._watch_holdings(), name="agent model cache and images")
             await self._registered.wait()
             group.create_task(self._heartbeats(), name="agent heartbeats")
             group.create_task(self._consume_commands(), name="agent commands")
@@ -277,8 +279,7 @@ class Agent:
         except ProbeError as exc:
             return f"cannot read the GPU inventory: {exc}"
         cfg = self.config
-        if cfg.model_cache:
-            self.cached_models = await self._list_cache(cfg.model_cache)
+        self.cached_models, self.images = await self._holdings()
         message = Register(
             node_id=cfg.node_id,
             hostname=cfg.hostname,
@@ -295,6 +296,7 @@ class Agent:
             sealing_key=self.key.public if self.key is not None else "",
             model_cache=cfg.model_cache,
             cached_models=self.cached_models,
+            images=self.images,
         )
         subject = subjects.register(cfg.node_id)
         try:
@@ -323,15 +325,50 @@ class Agent:
         )
         return ""
 
-    async def _watch_model_cache(self) -> None:
-        """Register again when the model cache's listing changes (a model fetched or deleted),
-        so placement sees what the node holds now; the controller records only a change."""
+    def _image_lister(self) -> Callable[[], Awaitable[tuple[str, ...]]] | None:
+        lister = getattr(self._driver, "images", None)  # the docker driver's
+        return cast(Callable[[], Awaitable[tuple[str, ...]]], lister) if lister else None
+
+    async def _holdings(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """What the node holds on disk for placement: its model cache's listing, its images."""
+        cache = self.config.model_cache
+        models = await self._list_cache(cache) if cache else ()
+        lister = self._image_lister()
+        return models, (await lister() if lister is not None else ())
+
+    async def _watch_holdings(self) -> None:
+        """Register again when the model cache's listing or the images change (a model
+        fetched, an image pulled or removed), so placement sees what the node holds now; the
+        controller records only a change."""
         while True:
             await asyncio.sleep(CACHE_SCAN_S)
-            listed = await self._list_cache(self.config.model_cache)
-            if listed != self.cached_models and self._registered.is_set():
-                self._log.info("model_cache_changed", models=len(listed))
+            models, images = await self._holdings()
+            changed = (models, images) != (self.cached_models, self.images)
+            if changed and self._registered.is_set():
+                self._log.info("holdings_changed", models=len(models), images=len(images))
                 self._reregister.set()
+
+    async def _prepull(self, command: PullImage) -> None:
+        """Pull an image ahead of placement, in a task of the agent's own; register again
+        once it is here. Its failure is logged: a replica placed here later pulls again."""
+        log = self._log.bind(command=command.command_id, image=command.image)
+        pull = getattr(self._driver, "pull", None)
+        if pull is None:
+            log.warning("prepull_ignored", why="no docker driver here: images are the docker "
+                        "driver's (gpumesh agent --workload-driver docker)")  # fmt: skip
+            return
+        assert self._group is not None
+
+        async def pull_then_register() -> None:
+            try:
+                await pull(command.image, "missing", replica=f"prepull:{command.cluster}")
+            except WorkloadStartError as exc:
+                log.warning("prepull_failed", error=str(exc))
+                return
+            log.info("prepulled", cluster=command.cluster)
+            self._reregister.set()
+
+        self._group.create_task(pull_then_register(), name=f"agent prepull {command.image}")
 
     # Heartbeats.
 
@@ -598,6 +635,14 @@ class Agent:
             # The queue decodes lazily; whatever it raises, the message is garbage to us.
             self._log.error("command_undecodable", error=str(exc))
             command = None
+        if isinstance(command, PullImage):
+            if not self._current_term(command.term):
+                self._log.warning("command_from_old_term", term=command.term, current=self.term)
+            elif command.command_id not in self._seen_commands:
+                await self._prepull(command)
+                self._seen_commands.add(command.command_id)
+            await self._ack(delivery)
+            return
         if not isinstance(command, StartReplica | StopReplica):
             if command is not None:
                 self._log.error("command_unknown", type=type(command).__name__)

@@ -48,6 +48,7 @@ def apply(state: NodeRegistry, envelope: Envelope) -> NodeRegistry:
                 sealing_key=reg.sealing_key,
                 model_cache=reg.model_cache,
                 cached_models=reg.cached_models,
+                images=reg.images,
                 # A re-registration (agent restart) keeps the verdicts already reached.
                 health=previous.health if previous else "healthy",
                 health_reason=previous.health_reason if previous else "registered",

@@ -29,6 +29,7 @@ class NodeView(msgspec.Struct, kw_only=True):
     sealing_key: str = ""  # the key secrets are sealed to; "": an agent that takes none
     model_cache: str = ""  # the node's model cache directory; "": none named
     cached_models: tuple[str, ...] = ()  # what it holds (nodeagent/model_cache.py)
+    images: tuple[str, ...] = ()  # container images it holds, REPOSITORY:TAG (docker driver)
     health: HealthState = "healthy"
     health_reason: str = "registered"
     health_detail: str = ""

@@ -53,6 +53,9 @@ class Register(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, ta
     # holds (nodeagent/model_cache.py); sent again when that changes. Absent: none.
     model_cache: str = ""
     cached_models: tuple[str, ...] = ()
+    # The container images the node holds (the docker driver's `docker image ls`, as
+    # REPOSITORY:TAG, sorted, at most 256); absent with the process driver.
+    images: tuple[str, ...] = ()
 
 
 class RegisterReply(
@@ -157,7 +160,18 @@ class StopReplica(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True,
     term: int = 0  # as StartReplica.term
 
 
-Command: TypeAlias = StartReplica | StopReplica
+class PullImage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cmd.pull.v1"):
+    """Pull `image` now, ahead of any placement (a spec's `[docker] prepull`). An agent without
+    the docker driver logs that it cannot, and acks; an agent older than this command drops it
+    as undecodable, and acks. Once pulled, the agent registers again with the image listed."""
+
+    command_id: str
+    image: str
+    cluster: str = ""  # whose spec asked, for the agent's log
+    term: int = 0  # as StartReplica.term
+
+
+Command: TypeAlias = StartReplica | StopReplica | PullImage
 
 FaultKind = Literal["thermal", "driver", "ecc", "xid", "throttle", "clear"]
 

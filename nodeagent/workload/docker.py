@@ -40,6 +40,7 @@ _CLI_TIMEOUT_S = 30.0  # for the short docker commands (info, rm, stop's own rou
 # stuck engine takes longer. The pull before it has no limit: large images take long.
 _RUN_TIMEOUT_S = 120.0
 PULL_PROGRESS_EVERY_S = 2.0
+MAX_IMAGES_LISTED = 256  # a registration stays small whatever the node holds
 
 
 _LAYER = re.compile(r"[0-9a-f]{2,64}")  # a layer's short id, as `docker pull` names it
@@ -183,6 +184,21 @@ class DockerDriver:
                 f"no docker engine answers (docker info: {_last_line(err)}); "
                 "start the docker daemon or use --workload-driver process"
             )
+
+    async def images(self) -> tuple[str, ...]:
+        """The images this engine holds, as REPOSITORY:TAG (sorted, at most MAX_IMAGES_LISTED;
+        untagged ones left out), for placement (Register.images); () when it cannot list them."""
+        try:
+            code, out, _ = await _run(
+                self.docker, "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"
+            )
+        except (OSError, TimeoutError):
+            return ()
+        if code != 0:
+            return ()
+        names = {line.strip() for line in out.splitlines() if line.strip()}
+        tagged = sorted(n for n in names if "<none>" not in n)
+        return tuple(tagged[:MAX_IMAGES_LISTED])
 
     async def has_image(self, image: str) -> bool:
         code, _, _ = await _run(self.docker, "image", "inspect", "--format", "{{.Id}}", image)

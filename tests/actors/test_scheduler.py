@@ -940,7 +940,7 @@ def test_a_node_holding_the_model_files_wins_over_a_less_loaded_one() -> None:
     held = [replica("busy", 0)]  # another cluster's: busy is half used
     result = placed([busy, idle], spec(model_files=files), held)
     assert result.node_id == "busy"
-    assert f"wins on model cache (model files {files} cached there, not on idle)" in result.why
+    assert f"wins on cache (model files {files} cached there, not on idle)" in result.why
     assert f"model files {files} cached there" in result.why
     # Without model_files the cache is no rule: the idle node wins on load, as before.
     assert placed([busy, idle], spec(), held).node_id == "idle"
@@ -956,3 +956,24 @@ def test_region_preference_comes_before_the_cache() -> None:
     near = node("near", region="eu-west")
     result = placed([cached_far, near], spec(preferred_region="eu-west", model_files=files))
     assert result.node_id == "near" and "wins on region preference" in result.why
+
+
+def test_a_node_holding_the_image_wins_and_the_reason_says_so() -> None:
+    from actors.scheduler import image_ref
+
+    assert image_ref("vllm/vllm-openai") == "vllm/vllm-openai:latest"
+    assert image_ref("localhost:5000/engine") == "localhost:5000/engine:latest"
+    assert image_ref("localhost:5000/engine:2") == "localhost:5000/engine:2"
+    assert image_ref("e@sha256:00") == "e@sha256:00" and image_ref("") == ""
+    pulled = node("pulled", 2, images=("vllm/vllm-openai:latest",), price_per_hour=0.9)
+    fresh = node("fresh", 2, price_per_hour=0.1)
+    result = placed([pulled, fresh], spec(image="vllm/vllm-openai"))
+    assert result.node_id == "pulled"
+    assert "wins on cache (image vllm/vllm-openai:latest pulled there, not on fresh)" in (
+        result.why
+    )
+    # Model files and image both count: the node holding both beats one holding either.
+    both = node("both", 2, images=("e:1",), cached_models=("m",), price_per_hour=0.9)
+    files = node("files", 2, cached_models=("m",), price_per_hour=0.1)
+    result = placed([both, files], spec(image="e:1", model_files="m"))
+    assert result.node_id == "both" and "image e:1 pulled there, not on files" in result.why

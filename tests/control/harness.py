@@ -20,6 +20,7 @@ from events.contract import subjects
 from events.contract.messages import (
     ApiReply,
     Heartbeat,
+    PullImage,
     Register,
     RegisterReply,
     ReplicaReport,
@@ -52,6 +53,8 @@ class ScriptedAgent:
     running: dict[str, ReplicaState] = field(default_factory=dict)
     started: list[tuple[str, int]] = field(default_factory=list)
     stopped: list[tuple[str, int]] = field(default_factory=list)
+    images: tuple[str, ...] = ()  # what it registers as held (the docker driver's listing)
+    pulled: list[str] = field(default_factory=list)  # each cmd.pull.v1's image
 
     def freeze(self) -> None:
         """SIGSTOP: no heartbeats, no commands handled."""
@@ -82,6 +85,7 @@ class ScriptedAgent:
                 for i in range(self.gpus)
             ),
             replicas=tuple(self.running.values()),
+            images=self.images,
         )
         while True:
             try:
@@ -141,6 +145,8 @@ class ScriptedAgent:
                                 address=f"http://{self.node_id}:9000",
                             )
                         )
+                case PullImage(image=image):
+                    self.pulled.append(image)
                 case StopReplica(replica_id=rid, epoch=epoch):
                     current = self.running.get(rid)
                     if current is not None and current.epoch == epoch:

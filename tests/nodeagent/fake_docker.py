@@ -124,6 +124,8 @@ def main() -> int:
         print("28.2.2")
     elif command == "image" and args[:1] == ["inspect"]:
         return inspect(args[-1])
+    elif command == "image" and args[:1] == ["ls"]:
+        print("\n".join([*images(), "<none>:<none>"]))
     elif command == "pull":
         return pull(args[-1])
     elif command == "run":
