@@ -14,6 +14,7 @@ harmless).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from typing import Final
 
 import msgspec
@@ -193,19 +194,23 @@ class ControllerClient:
 
     async def _window(self, lo: int, hi: int) -> list[tuple[int, msgspec.Raw]]:
         """Every event in (lo, hi] but heartbeats, with its position, in order."""
-        found: list[tuple[int, msgspec.Raw]] = []
-        cursor = lo
-        while cursor < hi:
+        return [event async for event in self.scan(lo, hi)]
+
+    async def scan(self, after: int, upto: int) -> AsyncGenerator[tuple[int, msgspec.Raw]]:
+        """Every event in (after, upto] but heartbeats, with its position, in order, asked one
+        events.list page at a time as it is read: the incidents page folds a long stretch of
+        the log this way and holds none of it."""
+        cursor = after
+        while cursor < upto:
             page = await self.events(cursor)
             for raw in page.events:
                 position = _position(raw)
-                if position > hi:
-                    return found
-                found.append((position, raw))
+                if position > upto:
+                    return
+                yield position, raw
             if page.next <= cursor:
-                break
+                return
             cursor = page.next
-        return found
 
 
 def _position(raw: msgspec.Raw) -> int:

@@ -4,14 +4,18 @@
     GET  /ui/fleet                 every node: health, region, GPUs, its replicas
     GET  /ui/clusters              every cluster: revision, replicas with epochs, states, nodes
     GET  /ui/events                the log, filtered by type, node, cluster, replica; live tail
-    GET  /ui/incidents             each node loss that moved replicas, as a timeline
+    GET  /ui/incidents?before=     each node loss that moved replicas, as a timeline: those that
+                                   began in the last windows of the log (live), or before
+                                   position `before` (an older page, not live)
     GET  /ui/login, POST /ui/login the admin key, exchanged for a session cookie
     POST /ui/logout
     GET  /ui/static/<name>         the scripts and the style sheet (gateway/ui/static)
     GET  /ui/data/fleet            {"head", "nodes", "clusters"}  (what the fleet page embeds)
     GET  /ui/data/clusters         {"head", "clusters"}
     GET  /ui/data/events?to=&limit=  {"head", "start", "events"}: the last events up to `to`
-    GET  /ui/data/incidents        {"head", "count", "html"}: the incidents, drawn (timeline.py)
+    GET  /ui/data/incidents?before=  {"head", "before", "older", "count", "from_ns", "to_ns",
+                                   "html"}: the incidents, drawn (timeline.py); `older` is the
+                                   `before` of the next older page (0: none)
     GET  /ui/data/metrics          {"interval_s", "samples"}: this gateway's last 15 minutes per
                                    cluster (history.py), for the clusters page's charts
     GET  /ui/data/metrics/stream   the same, then each new sample (SSE)
@@ -36,6 +40,7 @@ import html
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Final
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -51,10 +56,11 @@ from gateway.control_routes import ControlError, control_app, invalid, read_body
 from runtime.env import Bus
 from runtime.real_env import LoopClock
 
+from . import incidents as incident_model
 from .assets import Assets, template
 from .data import DEFAULT_EVENTS, MAX_EVENTS, ControllerClient
 from .history import MetricsHistory
-from .incidents import Incident, incidents
+from .incidents import Incident, WindowScan, window_of, with_heartbeat
 from .session import COOKIE, Sessions
 from .timeline import Bin, incident_html
 
@@ -68,6 +74,12 @@ PAGES: Final = (
     ("incidents", "Incidents"),
 )
 MAX_INCIDENTS: Final = 50  # the newest, on the page
+# Windows of the log (incidents.WINDOW positions each) whose incidents the first page shows:
+# its newest one may have only begun.
+FIRST_WINDOWS: Final = 2
+# Windows an older page looks back through for one that holds an incident, at most: each is
+# read with the two before it and the one after, one events.list page at a time.
+OLDER_WINDOWS: Final = 32
 HEARTBEATS_KEPT: Final = 512  # (node, position) -> its last heartbeat before: never changes
 MAX_LOGIN_BYTES: Final = 8192
 LOGIN_BODY_TIMEOUT_S: Final = 10.0
@@ -91,6 +103,38 @@ class _EventsData(msgspec.Struct, frozen=True):
 
     to: int | None = None
     limit: int = DEFAULT_EVENTS
+
+
+class _IncidentsQuery(msgspec.Struct, frozen=True):
+    """`GET /ui/incidents` and `/ui/data/incidents` query parameters."""
+
+    before: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Incidents:
+    """One page of incidents, newest first: those that began before `before` (None: the first
+    page, the newest windows), back to `older` (the next page's `before`; 0: the log's start).
+    `from_ns`, `to_ns`: when the first and the last event of that stretch were recorded."""
+
+    head: int
+    before: int | None
+    older: int
+    found: list[Incident]
+    from_ns: int = 0
+    to_ns: int = 0
+
+    def summary(self) -> bytes:
+        return msgspec.json.encode(
+            {
+                "head": self.head,
+                "before": self.before,
+                "older": self.older,
+                "count": len(self.found),
+                "from_ns": self.from_ns,
+                "to_ns": self.to_ns,
+            }
+        )
 
 
 def mount(
@@ -313,7 +357,7 @@ class _Dashboard:
         data = await self._page_data(page)
         body = self._bodies[page].template
         if page == "incidents":
-            drawn, data = await self._incidents_page()
+            drawn, data = await self._incidents_page(_before(request))
             body = self._bodies[page].substitute(incidents=drawn)
         nav = "".join(
             f'<a href="{PREFIX}/{name}"{" aria-current=page" if name == page else ""}>{label}</a>'
@@ -412,34 +456,77 @@ class _Dashboard:
         return response
 
     async def incidents_data(self, request: web.Request) -> web.Response:
-        head, count, drawn = await self._incidents()
-        return _json(msgspec.json.encode({"head": head, "count": count, "html": drawn}))
+        page = await self._incidents(_before(request))
+        drawn = msgspec.json.encode(self._drawn(page))
+        return _json(page.summary()[:-1] + b',"html":%s}' % drawn)
 
-    async def _incidents_page(self) -> tuple[str, bytes]:
+    async def _incidents_page(self, before: int | None) -> tuple[str, bytes]:
         try:
-            head, count, drawn = await self._incidents()
+            page = await self._incidents(before)
         except ControlError as exc:
-            return "", msgspec.json.encode({"error": exc.message})
-        return drawn, msgspec.json.encode({"head": head, "count": count})
+            return "", msgspec.json.encode({"error": exc.message, "before": before})
+        return self._drawn(page), page.summary()
 
-    async def _incidents(self) -> tuple[int, int, str]:
-        """The last MAX_EVENTS events folded into incidents (gateway/ui/incidents.py), each
-        given its node's last heartbeat before it (heartbeats are not in that backfill), and
-        drawn, newest first."""
-        backfill = await self.controller.recent_events(None, MAX_EVENTS)
-        envelopes = []
-        for raw in backfill.events:
-            try:
-                envelopes.append(decode_envelope(raw))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                continue  # an event this gateway cannot read: not drawn, never fatal
-        found = incidents(envelopes)[-MAX_INCIDENTS:]
+    def _drawn(self, page: _Incidents) -> str:
+        return "".join(self._draw(i) for i in page.found)
+
+    async def _incidents(self, before: int | None) -> _Incidents:
+        """The incidents that began before position `before` (gateway/ui/incidents.py has the
+        rule: each is shown with the window of the log it began in, whole), each given its
+        node's last heartbeat before it (the log is read without heartbeats), newest first.
+
+        The first page is the incidents of the last FIRST_WINDOWS windows; an older one looks
+        back from `before` through windows twice as many each time until it finds one, or
+        through OLDER_WINDOWS; either shows MAX_INCIDENTS at most, the newest."""
+        size = incident_model.WINDOW
+        head = await self.controller.head()
+        top = head if before is None else min(before - 1, head)
+        found: list[Incident] = []
+        older = 0
+        span = [0, 0]
+        last = window_of(top, size) if top > 0 else -1
+        count = FIRST_WINDOWS
+        looked = 0
+        while last >= 0:
+            first = max(0, last - count + 1)
+            windows = WindowScan(first, last, size=size)
+            await self._read(windows, min(head, windows.limit), (first * size, top), span)
+            found = [i for i in windows.incidents() if i.position <= top] + found
+            looked += last - first + 1
+            older = first * size + 1 if first > 0 else 0
+            if before is None or found or looked >= OLDER_WINDOWS:
+                break
+            last = first - 1
+            count = min(2 * count, OLDER_WINDOWS - looked)
+        if len(found) > MAX_INCIDENTS:
+            found = found[-MAX_INCIDENTS:]
+            older = found[0].position  # the next page: those that began before it
+            span[0] = found[0].start_ns
         beats = [await self._last_heartbeat(i.node_id, i.position) for i in found]
-        if any(beats):
-            merged = [*envelopes, *(b for b in beats if b is not None)]
-            found = incidents(sorted(merged, key=lambda e: e.position))[-MAX_INCIDENTS:]
-        drawn = "".join(self._draw(i) for i in reversed(found))
-        return backfill.head, len(found), drawn
+        found = [
+            i if b is None else with_heartbeat(i, b) for i, b in zip(found, beats, strict=True)
+        ]
+        return _Incidents(head, before, older, found[::-1], span[0], span[1])
+
+    async def _read(
+        self, windows: WindowScan, upto: int, shown: tuple[int, int], span: list[int]
+    ) -> None:
+        """Feeds `windows` the log from its start to `upto` (or as far as it wants), and keeps
+        in `span` when the first and last events in (shown[0], shown[1]] were recorded."""
+        lo, hi = shown
+        async with contextlib.aclosing(self.controller.scan(windows.start, upto)) as events:
+            async for position, raw in events:
+                try:
+                    envelope = decode_envelope(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    continue  # an event this gateway cannot read: not drawn, never fatal
+                windows.feed(envelope)
+                if lo < position <= hi:
+                    if not span[0] or envelope.recorded_at < span[0]:
+                        span[0] = envelope.recorded_at
+                    span[1] = max(span[1], envelope.recorded_at)
+                if not windows.wanted():
+                    break
 
     def _draw(self, incident: Incident) -> str:
         """With this gateway's requests to the clusters it moved, while it lasted (what the
@@ -488,6 +575,16 @@ class _Dashboard:
             raise invalid(f"limit: must be 1..{MAX_EVENTS}, got {query.limit}", "limit")
         backfill = await self.controller.recent_events(query.to, query.limit)
         return _json(msgspec.json.encode(backfill))
+
+
+def _before(request: web.Request) -> int | None:
+    try:
+        query = msgspec.convert(dict(request.query), _IncidentsQuery, strict=False)
+    except msgspec.ValidationError as exc:
+        raise invalid(f"query: {exc}") from None
+    if query.before is not None and query.before < 1:
+        raise invalid(f"before: must be >= 1, got {query.before}", "before")
+    return query.before
 
 
 def _json(body: bytes) -> web.Response:
