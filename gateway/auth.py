@@ -22,6 +22,8 @@ The key file (`gpumesh gateway --keys keys.toml`) is what operators write:
     rate_per_s = 20      # requests per second, sustained; 0 = unlimited (required)
     burst = 40           # optional: how many may come at once; default max(1, 2 * rate_per_s)
     clusters = ["llama"] # optional: the only clusters its keys reach (default: every cluster)
+    tokens_per_min = 60000  # optional: a budget in tokens (prompt and completion), 0 = none
+    token_burst = 60000     # optional: tokens at once; default tokens_per_min
 
     [tenants.beta]
     keys = ["gm-a04b..."]
@@ -37,7 +39,13 @@ Keys:
   - Only SHA-256 digests are kept after loading; a request's key is hashed and looked up by its
     digest, so the comparison reveals nothing useful about the stored keys through timing.
 
-Limits are per tenant (all of its keys share one bucket) and per gateway process.
+Limits are per tenant (all of its keys share one bucket). Several gateways share each
+tenant's limits through NATS (gateway/quota_share.py): each serves its share of the rate, the
+burst and the token budget, in proportion to the tenant's demand on it, and decides every
+request alone (no request waits on NATS). A token budget is counted from the usage a workload
+reports (gateway/usage.py): a request is admitted while the tenant's balance holds a token
+and charged when its answer ends, so one request may take the balance below zero by its own
+tokens (and each request in flight with it by theirs).
 
 No key file means tenant auth is off: every request is admitted as the tenant "anonymous",
 without a rate limit. The control API is then closed (`KeyRing.open()`), or open to everyone
@@ -90,6 +98,8 @@ class Tenant:
     rate_per_s: float  # 0: unlimited
     burst: float
     clusters: frozenset[str] = frozenset()  # the clusters its keys reach; empty: every one
+    tokens_per_min: float = 0.0  # a token budget; 0: none
+    token_burst: float = 0.0  # tokens at once (the budget's bucket size)
 
     def reaches(self, cluster: str) -> bool:
         return not self.clusters or cluster in self.clusters
@@ -152,6 +162,86 @@ class TokenBucket:
             self._tokens = min(self._burst, self._tokens + elapsed * self._rate)
             self._stamp = now
 
+    def debit(self, n: float) -> None:
+        """Take `n` whether or not they are there: the balance may go below zero (a token
+        budget charged after the answer), and refills from there."""
+        self._refill()
+        self._tokens -= n
+
+    def until_positive(self) -> float:
+        """0.0 while at least one token is left, else the seconds until one will be."""
+        self._refill()
+        if self._tokens + self._EPSILON >= 1.0:
+            return 0.0
+        return (1.0 - self._tokens) / self._rate
+
+    def resize(self, rate_per_s: float, burst: float) -> None:
+        """New limits from now on (a gateway's share changed); what is held is kept, up to
+        the new burst."""
+        self._refill()
+        self._rate = float(rate_per_s)
+        self._burst = float(burst)
+        self._tokens = min(self._tokens, self._burst)
+
+
+class TenantQuota:
+    """One tenant's limits on this gateway: its request bucket and its token budget, at this
+    gateway's share of them (`share`, set by gateway/quota_share.py; 1.0 alone), and what it
+    asked for since the last report (`asked`: every request, refused ones too, so that a
+    gateway held back by a small share still shows its demand; `tokens`: the tokens charged)."""
+
+    __slots__ = ("asked", "charged", "requests", "share", "tenant", "tokens")
+
+    def __init__(self, tenant: Tenant, clock: Clock, share: float = 1.0) -> None:
+        self.tenant = tenant
+        self.share = share
+        self.asked = 0
+        self.charged = 0.0
+        self.requests = (
+            TokenBucket(tenant.rate_per_s * share, tenant.burst * share, clock)
+            if tenant.rate_per_s > 0
+            else None
+        )
+        self.tokens = (
+            TokenBucket(tenant.tokens_per_min / 60.0 * share, tenant.token_burst * share, clock)
+            if tenant.tokens_per_min > 0
+            else None
+        )
+
+    def admit(self) -> float:
+        """0.0 when a request may go now (and it is counted), else the seconds until it may:
+        the token budget must hold a token at least, and the request bucket a request."""
+        self.asked += 1
+        if self.tokens is not None and (wait := self.tokens.until_positive()) > 0:
+            return wait
+        return self.requests.take() if self.requests is not None else 0.0
+
+    @property
+    def spent(self) -> bool:
+        """Whether the token budget is what holds requests back now."""
+        return self.tokens is not None and self.tokens.until_positive() > 0
+
+    def charge(self, tokens: float) -> None:
+        if self.tokens is not None and tokens > 0:
+            self.tokens.debit(tokens)
+            self.charged += tokens
+
+    def set_share(self, share: float) -> None:
+        if share == self.share:
+            return
+        self.share = share
+        tenant = self.tenant
+        if self.requests is not None:
+            self.requests.resize(tenant.rate_per_s * share, max(tenant.burst * share, 1e-9))
+        if self.tokens is not None:
+            self.tokens.resize(
+                tenant.tokens_per_min / 60.0 * share, max(tenant.token_burst * share, 1e-9)
+            )
+
+    def limits(self) -> tuple[float, float, float, float]:
+        t = self.tenant
+        return (t.rate_per_s, t.burst, t.tokens_per_min, t.token_burst)
+
 
 def hashed(key: str) -> str:
     """What to write in the key file instead of `key`: `sha256:<hex>`."""
@@ -211,8 +301,11 @@ class KeyRing:
         self._enabled = enabled
         self._api_open = api_open and not enabled
         self._clock = clock or LoopClock()
-        self._buckets: dict[str, TokenBucket] = {}
+        self._quotas: dict[str, TenantQuota] = {}  # by tenant name, made on first use
         self._source = source  # (loader, path): how to read this ring again
+        # A new tenant's share before any report says otherwise (quota_share.py sets it
+        # to 1/gateways, so a gateway does not start with the whole burst of a shared limit).
+        self._share = 1.0
         self._seen: tuple[int, int, int] | None = None  # the file as it was when last read
 
     @classmethod
@@ -322,14 +415,35 @@ class KeyRing:
 
     def admit(self, tenant: Tenant) -> float:
         """0.0 when the tenant may send a request now (and one is counted), else the seconds
-        until it may. Buckets are keyed by tenant name and made on first use."""
-        if tenant.rate_per_s <= 0:
+        until it may (its request rate, or its token budget spent)."""
+        if tenant.rate_per_s <= 0 and tenant.tokens_per_min <= 0:
             return 0.0
-        bucket = self._buckets.get(tenant.name)
-        if bucket is None:
-            bucket = TokenBucket(tenant.rate_per_s, tenant.burst, self._clock)
-            self._buckets[tenant.name] = bucket
-        return bucket.take()
+        return self.quota(tenant).admit()
+
+    def charge(self, tenant: Tenant, tokens: float) -> None:
+        """An answer of `tenant`'s ended, using `tokens` (its token budget, if it has one)."""
+        if tenant.tokens_per_min > 0:
+            self.quota(tenant).charge(tokens)
+
+    def quota(self, tenant: Tenant) -> TenantQuota:
+        quota = self._quotas.get(tenant.name)
+        if quota is None:
+            quota = self._quotas[tenant.name] = TenantQuota(tenant, self._clock, self._share)
+        return quota
+
+    def share_new_tenants(self, share: float) -> None:
+        """The share a tenant first seen from now on starts with (quota_share.py)."""
+        self._share = share
+
+    def limited(self) -> list[Tenant]:
+        """The tenants with a rate limit or a token budget, by name."""
+        tenants = {t.name: t for t in self._by_digest.values()}
+        return [t for _, t in sorted(tenants.items()) if t.rate_per_s > 0 or t.tokens_per_min > 0]
+
+    @property
+    def quotas(self) -> dict[str, TenantQuota]:
+        """The tenants with limits that sent requests here, by name (quota_share.py)."""
+        return self._quotas
 
     # -- reloading ----------------------------------------------------------------------------
 
@@ -349,10 +463,13 @@ class KeyRing:
             return False
         self._by_digest = fresh._by_digest
         self._admin = fresh._admin
-        limits = {t.name: (t.rate_per_s, t.burst) for t in self._by_digest.values()}
-        for name, bucket in list(self._buckets.items()):
-            if limits.get(name) != (bucket._rate, bucket._burst):
-                del self._buckets[name]
+        limits = {
+            t.name: (t.rate_per_s, t.burst, t.tokens_per_min, t.token_burst)
+            for t in self._by_digest.values()
+        }
+        for name, quota in list(self._quotas.items()):
+            if limits.get(name) != quota.limits():
+                del self._quotas[name]
         log.info(
             "keys_reloaded",
             path=where,
@@ -413,7 +530,7 @@ def _digest_of(header: str | None) -> bytes | None:
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _TOP_FIELDS = ("admin_keys", "admins", "tenants")
-_TENANT_FIELDS = ("keys", "rate_per_s", "burst", "clusters")
+_TENANT_FIELDS = ("keys", "rate_per_s", "burst", "clusters", "tokens_per_min", "token_burst")
 _ADMIN_FIELDS = ("keys", "scope", "clusters")
 
 
@@ -470,7 +587,17 @@ def _parse(raw: Mapping[str, Any]) -> tuple[dict[bytes, Tenant], dict[bytes, Adm
             ):
                 raise KeyFileError(f"{prefix}.clusters: must be a non-empty list of cluster names")
             clusters = frozenset(value)
-        tenant = Tenant(name, rate, burst, clusters)
+        tokens_per_min = _number(table.get("tokens_per_min", 0), f"{prefix}.tokens_per_min")
+        if tokens_per_min < 0:
+            raise KeyFileError(f"{prefix}.tokens_per_min: must be >= 0 (0 = no budget)")
+        token_burst = tokens_per_min
+        if "token_burst" in table:
+            if tokens_per_min <= 0:
+                raise KeyFileError(f"{prefix}.token_burst: only with tokens_per_min")
+            token_burst = _number(table["token_burst"], f"{prefix}.token_burst")
+            if token_burst < 1:
+                raise KeyFileError(f"{prefix}.token_burst: must be >= 1")
+        tenant = Tenant(name, rate, burst, clusters, tokens_per_min, token_burst)
         if "keys" not in table:
             raise KeyFileError(f"{prefix}.keys: required (one or more keys)")
         for where, key in _key_list(table["keys"], f"{prefix}.keys", allow_empty=False):

@@ -51,6 +51,7 @@ from .transport.base import (
     UpstreamStatus,
 )
 from .transport.overlay import RequestTooLarge
+from .usage import StreamUsage, body_tokens
 
 if TYPE_CHECKING:  # opentelemetry is loaded only with --trace (docs/tracing.md)
     from .tracing import RequestSpan, RequestTracer
@@ -282,11 +283,13 @@ class Proxy:
         wait = self.keys.admit(tenant)
         if wait > 0:
             self.instruments.rate_limited(tenant.name)
+            spent = self.keys.quota(tenant).spent
+            what, code = ("token budget", "tokens_exhausted") if spent else ("rate limit", "")
             send_error(
                 sink,
                 429,
-                f"rate limit of tenant {tenant.name!r} exceeded; retry in {wait:.2f} s",
-                "rate_limited",
+                f"{what} of tenant {tenant.name!r} exceeded; retry in {wait:.2f} s",
+                code or "rate_limited",
                 **{"Retry-After": str(max(1, math.ceil(wait)))},
             )
             return None
@@ -453,6 +456,8 @@ class Proxy:
         body = buffered[0] if len(buffered) == 1 else b"".join(buffered)
         request.sink.send(upstream.status, headers, body)
         await upstream.aclose()
+        if request.tenant.tokens_per_min > 0:
+            self.keys.charge(request.tenant, body_tokens(body))
 
     async def _stream(
         self, request: _Exchange, route: RouteEntry, answer: _Answer, headers: Headers
@@ -461,11 +466,17 @@ class Proxy:
         the head, a break can only be told in-band (an event stream's last event) or by
         cutting the connection."""
         sink = request.sink
+        # A tenant with a token budget: the chunks are read for their usage as they pass.
+        usage = (
+            StreamUsage(event_stream=answer.event_stream)
+            if request.tenant.tokens_per_min > 0
+            else None
+        )
         # Unless the body ends: the client went away (ConnectionResetError, or its handler
         # cancelled), which says nothing about the replica.
         outcome: Outcome = "cancelled"
         try:
-            await _pass_on(sink, answer, headers)
+            await _pass_on(sink, answer, headers, None if usage is None else usage.feed)
             outcome = "ok"
         except StreamBroken as exc:
             outcome = "stream_broken"
@@ -490,6 +501,9 @@ class Proxy:
         finally:
             self._finish(request, route, outcome)
             await answer.response.aclose()
+            if usage is not None:
+                # What was sent was used, however the answer ended.
+                self.keys.charge(request.tenant, usage.tokens)
         await sink.end()
 
     async def _ended_by_cut(self, request: _Exchange, answer: _Answer) -> bool:
@@ -655,13 +669,23 @@ def refuse(
     send_error(sink, error.status, message, error.code, request_id, **headers)
 
 
-async def _pass_on(sink: Sink, answer: _Answer, headers: Headers) -> None:
-    """The head, what was held back, then the rest of the body as it arrives."""
+async def _pass_on(
+    sink: Sink, answer: _Answer, headers: Headers, watch: Callable[[bytes], None] | None = None
+) -> None:
+    """The head, what was held back, then the rest of the body as it arrives; `watch` sees
+    each chunk of the body (which then does not take the zero-copy relay)."""
     upstream = answer.response
     buffered = answer.buffered
     await sink.start(upstream.status, headers, buffered[0] if buffered else b"")
     for chunk in buffered[1:]:
         await sink.write(chunk)
+    if watch is not None:
+        for chunk in buffered:
+            watch(chunk)
+        async for chunk in answer.body:
+            watch(chunk)
+            await sink.write(chunk)
+        return
     relay = getattr(upstream, "relay", None)
     writer = sink.relay_writer(cast(FlowControlled, upstream)) if relay else None
     if relay is None or writer is None:

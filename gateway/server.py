@@ -34,6 +34,7 @@ from .load import LoadMeter
 from .load_publisher import LoadPublisher
 from .metrics import new_registry
 from .proxy import Affinity, Proxy, ProxySettings
+from .quota_share import QuotaSharer
 from .retry import RetryPolicy
 from .router import Ejection, Router, RouterConfig
 from .transport.base import Transport
@@ -104,6 +105,7 @@ class Gateway:
         self.load = LoadPublisher(
             bus, self.meter, clock, self.instruments, config.gateway_id, self.log
         )
+        self.quotas = QuotaSharer(bus, keys, clock, config.gateway_id, self.log)
         self.dispatcher = Dispatcher(
             self.router,
             config.retry,
@@ -224,6 +226,8 @@ class Gateway:
                 self.started.set()
                 tasks.create_task(self._publish_suspicions(), name="suspicions")
                 tasks.create_task(self.load.run(), name="load")
+                if self.keys.enabled:  # tenants, perhaps with limits to share
+                    tasks.create_task(self.quotas.run(), name="quota-share")
         finally:
             # Stop listening and wait for in-flight requests; when the grace ends, cut what is
             # still running ourselves: aiohttp's own cut comes only after twice its timeout, and

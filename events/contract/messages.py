@@ -258,6 +258,27 @@ class GatewayLoad(
     clusters: dict[str, ClusterLoad] = {}
 
 
+class TenantDemand(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One tenant's demand on one gateway, over the report's interval."""
+
+    requests_per_s: float = 0.0  # requests asked for, admitted or not
+    tokens_per_min: float = 0.0  # tokens its answers were charged (a token budget's tenant)
+    share: float = 0.0  # the share of the tenant's limits this gateway serves now
+
+
+class QuotaReport(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="quota_report.v1"
+):
+    """Gateway -> gateways, on `gpumesh.v1.gateway.quota` every second: every tenant with
+    limits in its key file, its demand there and the share of its limits it serves (idle ones
+    too). Each gateway sets its shares from these (gateway/quota_share.py). A gateway that says
+    nothing for a while is one that is gone."""
+
+    gateway_id: str
+    interval_s: float = 1.0
+    tenants: dict[str, TenantDemand] = {}
+
+
 class ReplicaSuspicion(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="suspicion.v1"
 ):
@@ -368,10 +389,13 @@ WireMessage: TypeAlias = (
     | ReplicaReport
     | StartReplica
     | StopReplica
+    | PullImage
     | Fault
     | FaultReply
     | RoutingUpdate
     | ReplicaSuspicion
+    | GatewayLoad
+    | QuotaReport
     | ApiReply
 )
 CreateClusterRequest = ClusterSpec

@@ -52,6 +52,9 @@ LEADER_ACTS_S = 1.3
 SUSPECT = f"{PREFIX}.gateway.suspect"
 # Gateways' per-cluster load, every second (GatewayLoad): the autoscaler's input.
 LOAD = f"{PREFIX}.gateway.load"
+# Gateways -> gateways: each limited tenant's demand on each gateway, every second, so that
+# together they serve a tenant no more than its limits (gateway/quota_share.py).
+QUOTA = f"{PREFIX}.gateway.quota"
 
 # Control API, request/reply: gpumesh.v1.api.<verb>
 API_ALL = f"{PREFIX}.api.>"

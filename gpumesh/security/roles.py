@@ -44,12 +44,14 @@ def permissions(role: Role, name: str) -> Permissions | None:
                 subjects.SUSPECT,
                 # Its load, each second, for the leader's autoscaler (gateway/load_publisher.py).
                 subjects.LOAD,
+                # Its tenants' demand, for the other gateways' shares (gateway/quota_share.py).
+                subjects.QUOTA,
                 # The gateway's admin REST (/api/v1, admin keys only) calls the control API.
                 subjects.API_ALL,
                 # The last routing table, when no controller answers (wire/routing_log.py).
                 f"{JS_API}.STREAM.MSG.GET.{subjects.ROUTING_STREAM}",
             ),
-            subscribe=(subjects.ROUTING, subjects.EVENTS_ALL, inbox),
+            subscribe=(subjects.ROUTING, subjects.EVENTS_ALL, subjects.QUOTA, inbox),
         )
     # integrator: read the events, live or replayed from JetStream, and the read-only API.
     stream = subjects.EVENTS_STREAM

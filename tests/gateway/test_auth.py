@@ -345,7 +345,8 @@ NO_KEYS = (
         (ACME + "rate_per_s = 1\nburst = -3", "tenants.acme.burst: must be >= 1"),
         (
             ACME + "rate_per_s = 1\nrate = 2",
-            "tenants.acme.rate: unknown field (expected keys, rate_per_s, burst, clusters)",
+            "tenants.acme.rate: unknown field (expected keys, rate_per_s, burst, clusters, "
+            "tokens_per_min, token_burst)",
         ),
         ("[tenants.acme]\nrate_per_s = 1", "tenants.acme.keys: required (one or more keys)"),
         (
