@@ -173,9 +173,9 @@ class Fleet(Protocol):
         """Why the spec's secrets can reach no node ('' when they can)."""
         ...
 
-    async def prepull(self, spec: ClusterSpec, revision: int) -> list[str]:
-        """Ask the nodes that could host `spec` to pull its image now (`[docker] prepull`);
-        the nodes asked."""
+    async def prepull(self, spec: ClusterSpec, position: int) -> list[str]:
+        """Ask the nodes that could host `spec` (recorded at log `position`) to pull its
+        image now (`[docker] prepull`), without waiting for them; the nodes asked."""
         ...
 
 
@@ -466,12 +466,11 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
     ) -> list[int]:
         positions = await self.persist(ctx, events)
         await self.fleet.live.wait_for(positions[-1])
-        for event in events:
+        for event, position in zip(events, positions, strict=True):
             # Recorded first: a controller that fails over before asking asks nobody, and the
             # replicas still start (pulling then, as without prepull).
             if isinstance(event, ClusterCreated | ClusterSpecChanged) and event.spec.docker.prepull:
-                revision = event.revision if isinstance(event, ClusterSpecChanged) else 1
-                await self.fleet.prepull(event.spec, revision)
+                await self.fleet.prepull(event.spec, position)
         return positions
 
     async def _reconcile(self, ctx: ActorContext[ClusterMsg]) -> int:

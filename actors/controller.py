@@ -122,6 +122,7 @@ class Controller:
             ephemeral=ephemeral,
         )
         self.placement_lock = asyncio.Lock()
+        self._tasks: asyncio.TaskGroup | None = None  # while serving: its own tasks' owner
         self.dropped: Counter[str] = Counter()  # garbage and unroutable messages, by kind
         self._drop_logged: dict[str, tuple[float, int]] = {}  # kind -> (when, total then)
         self._lease_index: dict[str, tuple[ReplicaLease, ...]] = {}
@@ -219,6 +220,7 @@ class Controller:
     async def _serve_all(self, extra: list[Callable[[], Coroutine[Any, Any, None]]] | None) -> None:
         async with ActorSystem(self.env) as system, asyncio.TaskGroup() as tasks:
             self._system = system
+            self._tasks = tasks
             observe = self.config.metrics.observe if self.config.metrics is not None else None
             tasks.create_task(self.live.run(observe), name="live-state")
             tasks.create_task(self.heartbeats.run(), name="heartbeats")
@@ -302,11 +304,14 @@ class Controller:
         """Why `spec`'s secrets can go to no node ('' when they can: SecretKeeper)."""
         return await self.secrets.unavailable(spec) if spec.secret_env else ""
 
-    async def prepull(self, spec: ClusterSpec, revision: int) -> list[str]:
-        """A `[docker] prepull` spec was recorded: tell every node that could host one of its
-        replicas (scheduler.could_host) and does not list its image to pull it now, ahead of
-        any placement. Returns those nodes. Nothing is recorded: what a node pulled shows in
-        its next registration (`images`), which placement then prefers."""
+    async def prepull(self, spec: ClusterSpec, position: int) -> list[str]:
+        """A `[docker] prepull` spec was recorded at log `position`: tell every node that
+        could host one of its replicas (scheduler.could_host) and does not list its image to
+        pull it now, ahead of any placement; the nodes asked. Best effort, in a task of the
+        controller's own (the cluster's request is answered at once, and a NATS outage costs
+        only the pulls); nothing is recorded: what a node pulled shows in its next registration
+        (`images`), which placement then prefers. The command id carries the spec's position,
+        so a cluster deleted and created again under its name is asked again."""
         if not (spec.docker.prepull and spec.image):
             return []
         image = image_ref(spec.image)
@@ -317,13 +322,24 @@ class Controller:
             for node_id, node in sorted(nodes.items())
             if image not in node.images and could_host(node, spec, now_ns=now_ns)
         ]
-        for node_id in asked:
-            command = PullImage(
-                command_id=f"pull:{spec.name}:{revision}:{node_id}", image=image, cluster=spec.name
-            )
-            await self.commands.send(node_id, command)
         self.log.info("prepull_requested", cluster=spec.name, image=image, nodes=len(asked))
+        if asked:
+            work = self._send_pulls(spec.name, image, position, asked)
+            if self._tasks is None:
+                await work
+            else:
+                self._tasks.create_task(work, name=f"prepull:{spec.name}")
         return asked
+
+    async def _send_pulls(self, cluster: str, image: str, position: int, nodes: list[str]) -> None:
+        for node_id in nodes:
+            command = PullImage(
+                command_id=f"pull:{cluster}:{position}:{node_id}", image=image, cluster=cluster
+            )
+            try:
+                await self.commands.send(node_id, command)
+            except Exception as exc:  # best effort: a replica placed there pulls at its start
+                self.log.warning("prepull_not_sent", cluster=cluster, node=node_id, error=str(exc))
 
     async def _respawn(self) -> None:
         """After a restart: actors for every known node (silence detection restarts with a

@@ -613,9 +613,16 @@ def _facts(spec: ClusterSpec, w: _Fit) -> str:
 
 
 def image_ref(image: str) -> str:
-    """`image` as `docker image ls` lists it, REPOSITORY:TAG: a name without a tag is
-    `:latest`; "" stays "". A digest reference is kept as it is (the listing never matches
-    it, so it ranks as not held)."""
+    """`image` as `docker image ls` lists it, REPOSITORY:TAG: Docker Hub's prefixes dropped
+    (`docker.io/library/ubuntu` is `ubuntu`), a name without a tag `:latest`; "" stays "". A
+    digest reference is kept as it is (the listing never matches it, so it ranks as not
+    held)."""
+    for hub in ("docker.io/library/", "docker.io/", "index.docker.io/"):
+        if image.startswith(hub):
+            image = image.removeprefix(hub)  # as the listing names Docker Hub's images
+            break
+    if image.startswith("library/") and image.count("/") == 1:
+        image = image.removeprefix("library/")
     if not image or "@" in image or ":" in image.rsplit("/", 1)[-1]:
         return image
     return image + ":latest"

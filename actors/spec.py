@@ -118,11 +118,13 @@ def validate_autoscale(a: AutoscaleSpec) -> None:
 _MODEL_FILES = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9._-]+)?")
 DOCKER_IPC = ("", "host", "private", "shareable")
 DOCKER_PULL = ("missing", "always", "never")
-_SHM_SIZE = re.compile(r"[1-9][0-9]*[bkmgBKMG]?")
+# docker's own size syntax (go-units RAMInBytes): 16g, 512m, 1.5g, 16gb, 16GiB.
+_SHM_SIZE = re.compile(r"[0-9]+(\.[0-9]+)? ?[kKmMgGtTpP]?[iI]?[bB]?")
 # A host path (or a named volume), an absolute path in the container, and optionally ro/rw.
 # `{model_cache}` is the node's model cache directory, filled in by its agent.
 _VOLUME = re.compile(
-    r"(/[^:\0]*|\{model_cache\}[^:\0]*|[A-Za-z0-9][A-Za-z0-9_.-]*):(/[^:\0]*)(:(ro|rw))?"
+    r"(/[^:\0]*|\{model_cache\}[^:\0]*|[A-Za-z0-9][A-Za-z0-9_.-]*):(/[^:\0]*)"
+    r"(:(ro|rw|z|Z)(,(ro|rw|z|Z))*)?"
 )
 
 
@@ -130,7 +132,9 @@ def _validate_docker(d: DockerOptions) -> None:
     """The `[docker]` section: values `docker run` would refuse, refused here with the field."""
     if d.ipc not in DOCKER_IPC:
         raise SpecError(f"docker.ipc: {d.ipc!r} is not one of host, private, shareable")
-    if d.shm_size and not _SHM_SIZE.fullmatch(d.shm_size):
+    if d.shm_size and (
+        not _SHM_SIZE.fullmatch(d.shm_size) or float(re.sub(r"[^0-9.]", "", d.shm_size)) == 0
+    ):
         raise SpecError(f"docker.shm_size: {d.shm_size!r} is not a size such as 16g or 512m")
     if d.pull not in DOCKER_PULL:
         raise SpecError(f"docker.pull: {d.pull!r} is not one of missing, always, never")

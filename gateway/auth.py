@@ -198,12 +198,16 @@ class TenantQuota:
         self.asked = 0
         self.charged = 0.0
         self.requests = (
-            TokenBucket(tenant.rate_per_s * share, tenant.burst * share, clock)
+            TokenBucket(tenant.rate_per_s * share, _at_least_one(tenant.burst * share), clock)
             if tenant.rate_per_s > 0
             else None
         )
         self.tokens = (
-            TokenBucket(tenant.tokens_per_min / 60.0 * share, tenant.token_burst * share, clock)
+            TokenBucket(
+                tenant.tokens_per_min / 60.0 * share,
+                _at_least_one(tenant.token_burst * share),
+                clock,
+            )
             if tenant.tokens_per_min > 0
             else None
         )
@@ -232,15 +236,21 @@ class TenantQuota:
         self.share = share
         tenant = self.tenant
         if self.requests is not None:
-            self.requests.resize(tenant.rate_per_s * share, max(tenant.burst * share, 1e-9))
+            self.requests.resize(tenant.rate_per_s * share, _at_least_one(tenant.burst * share))
         if self.tokens is not None:
             self.tokens.resize(
-                tenant.tokens_per_min / 60.0 * share, max(tenant.token_burst * share, 1e-9)
+                tenant.tokens_per_min / 60.0 * share, _at_least_one(tenant.token_burst * share)
             )
 
     def limits(self) -> tuple[float, float, float, float]:
         t = self.tenant
         return (t.rate_per_s, t.burst, t.tokens_per_min, t.token_burst)
+
+
+def _at_least_one(burst: float) -> float:
+    # A bucket smaller than one request never admits one (take(1) is then math.inf): a
+    # gateway with a small share still takes one at a time, at its share of the rate.
+    return max(burst, 1.0)
 
 
 def hashed(key: str) -> str:
@@ -421,9 +431,14 @@ class KeyRing:
         return self.quota(tenant).admit()
 
     def charge(self, tenant: Tenant, tokens: float) -> None:
-        """An answer of `tenant`'s ended, using `tokens` (its token budget, if it has one)."""
-        if tenant.tokens_per_min > 0:
-            self.quota(tenant).charge(tokens)
+        """An answer of `tenant`'s ended, using `tokens` (its token budget, if it has one).
+        An answer admitted before a reload that changed or removed the tenant is not charged:
+        charging must not bring back the limits the reload replaced."""
+        if tenant.tokens_per_min <= 0:
+            return
+        quota = self._quotas.get(tenant.name)
+        if quota is not None and quota.tenant == tenant:
+            quota.charge(tokens)
 
     def quota(self, tenant: Tenant) -> TenantQuota:
         quota = self._quotas.get(tenant.name)

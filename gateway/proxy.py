@@ -143,6 +143,11 @@ def send_error(
     sink.send(status, extra, error_body(status, message, code))
 
 
+# What Retry-After may say at most: a limit that could never admit (math.inf) is no reason to
+# answer 500 (math.ceil(inf) raises).
+_LONGEST_RETRY_AFTER_S = 3600.0
+
+
 class Proxy:
     def __init__(
         self,
@@ -280,7 +285,7 @@ class Proxy:
                 "invalid_api_key",
             )
             return None
-        wait = self.keys.admit(tenant)
+        wait = min(self.keys.admit(tenant), _LONGEST_RETRY_AFTER_S)
         if wait > 0:
             self.instruments.rate_limited(tenant.name)
             spent = self.keys.quota(tenant).spent
@@ -455,9 +460,9 @@ class Proxy:
         buffered = answer.buffered
         body = buffered[0] if len(buffered) == 1 else b"".join(buffered)
         request.sink.send(upstream.status, headers, body)
-        await upstream.aclose()
-        if request.tenant.tokens_per_min > 0:
+        if request.tenant.tokens_per_min > 0 and upstream.status < 300:
             self.keys.charge(request.tenant, body_tokens(body))
+        await upstream.aclose()
 
     async def _stream(
         self, request: _Exchange, route: RouteEntry, answer: _Answer, headers: Headers
@@ -469,7 +474,7 @@ class Proxy:
         # A tenant with a token budget: the chunks are read for their usage as they pass.
         usage = (
             StreamUsage(event_stream=answer.event_stream)
-            if request.tenant.tokens_per_min > 0
+            if request.tenant.tokens_per_min > 0 and answer.response.status < 300
             else None
         )
         # Unless the body ends: the client went away (ConnectionResetError, or its handler
@@ -499,11 +504,11 @@ class Proxy:
             if not await self._ended_by_cut(request, answer):
                 raise
         finally:
-            self._finish(request, route, outcome)
-            await answer.response.aclose()
             if usage is not None:
                 # What was sent was used, however the answer ended.
                 self.keys.charge(request.tenant, usage.tokens)
+            self._finish(request, route, outcome)
+            await answer.response.aclose()
         await sink.end()
 
     async def _ended_by_cut(self, request: _Exchange, answer: _Answer) -> bool:

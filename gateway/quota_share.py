@@ -8,11 +8,17 @@ second) and the share it serves now. From the reports of the last STALE_AFTER_S 
 tenant's share here towards
 
     target = w_self / (w_self + sum of w_other),
-    w = min(max(demand, MIN_WEIGHT_RPS), the tenant's rate_per_s)
+    w = min(max(demand, MIN_WEIGHT_RPS), cap),   cap = the tenant's rate_per_s
 
 over the gateways that list that tenant. The cap makes the split equal when the tenant asks
 every gateway for more than its whole rate, which is when the limit matters; below its rate the
-split follows the demand (90 and 10 requests a second against a rate of 50: 5/6 and 1/6).
+split follows the demand (90 and 10 requests a second against a rate of 50: 5/6 and 1/6). A
+tenant with a token budget and no request rate is capped at TOKEN_ONLY_CAP_RPS: a flood of
+refused requests on one gateway must not leave the others nothing.
+
+Every bucket holds one request (or one token) at least, whatever the share: a gateway with a
+small share still admits one at a time, at its share of the rate. So N gateways may hold up to
+N - 1 more than the burst between them, when shares are small.
 
 A share falls to its target at once; it rises only into what no gateway holds, by at most
 `(1 - the shares held, ours and those reported) / the gateways sharing`, so two gateways
@@ -28,7 +34,6 @@ alone does.
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Any, Final
 
 import msgspec
@@ -42,6 +47,7 @@ from .auth import KeyRing
 REPORT_EVERY_S: Final = 1.0
 STALE_AFTER_S: Final = 3.0  # a gateway not heard from for this long is gone
 MIN_WEIGHT_RPS: Final = 0.5  # so an idle gateway keeps a little room for its first requests
+TOKEN_ONLY_CAP_RPS: Final = 10.0  # the weights' cap for a tenant with no request rate
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(QuotaReport)
@@ -145,7 +151,7 @@ class QuotaSharer:
         """Move each tenant's share here towards its target (module docstring)."""
         for name, quota in self._keys.quotas.items():
             rate = quota.tenant.rate_per_s
-            cap = max(rate, MIN_WEIGHT_RPS) if rate > 0 else math.inf
+            cap = max(rate, MIN_WEIGHT_RPS) if rate > 0 else TOKEN_ONLY_CAP_RPS
             listed = [tenants[name] for _, tenants in self._peers.values() if name in tenants]
             mine = min(max(own.get(name, (0.0, 0.0))[0], MIN_WEIGHT_RPS), cap)
             others = sum(min(max(d.requests_per_s, MIN_WEIGHT_RPS), cap) for d in listed)

@@ -135,6 +135,7 @@ class Agent:
         self.registrations = 0  # accepted registrations, for tests and status
         self.cached_models: tuple[str, ...] = ()  # what the model cache held when registered
         self.images: tuple[str, ...] = ()  # the container images held when registered
+        self._holdings_listed = False
         # The overlay transport's end: HTTP requests over NATS to our workloads, which listen
         # where the driver probes them (loopback unless configured otherwise).
         self._local_host = driver.host
@@ -279,7 +280,11 @@ class Agent:
         except ProbeError as exc:
             return f"cannot read the GPU inventory: {exc}"
         cfg = self.config
-        self.cached_models, self.images = await self._holdings()
+        if not self._holdings_listed:
+            # Once, before the first registration; after that the watcher's last listing, so
+            # a registration never waits on a busy docker daemon.
+            self.cached_models, self.images = await self._holdings()
+            self._holdings_listed = True
         message = Register(
             node_id=cfg.node_id,
             hostname=cfg.hostname,
@@ -325,16 +330,18 @@ class Agent:
         )
         return ""
 
-    def _image_lister(self) -> Callable[[], Awaitable[tuple[str, ...]]] | None:
+    def _image_lister(self) -> Callable[[], Awaitable[tuple[str, ...] | None]] | None:
         lister = getattr(self._driver, "images", None)  # the docker driver's
-        return cast(Callable[[], Awaitable[tuple[str, ...]]], lister) if lister else None
+        return cast(Callable[[], Awaitable[tuple[str, ...] | None]], lister) if lister else None
 
     async def _holdings(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """What the node holds on disk for placement: its model cache's listing, its images."""
+        """What the node holds on disk for placement: its model cache's listing, its images
+        (the last known, when docker cannot list them now)."""
         cache = self.config.model_cache
         models = await self._list_cache(cache) if cache else ()
         lister = self._image_lister()
-        return models, (await lister() if lister is not None else ())
+        images = await lister() if lister is not None else ()
+        return models, self.images if images is None else images
 
     async def _watch_holdings(self) -> None:
         """Register again when the model cache's listing or the images change (a model
@@ -346,6 +353,7 @@ class Agent:
             changed = (models, images) != (self.cached_models, self.images)
             if changed and self._registered.is_set():
                 self._log.info("holdings_changed", models=len(models), images=len(images))
+                self.cached_models, self.images = models, images
                 self._reregister.set()
 
     async def _prepull(self, command: PullImage) -> None:
@@ -362,10 +370,11 @@ class Agent:
         async def pull_then_register() -> None:
             try:
                 await pull(command.image, "missing", replica=f"prepull:{command.cluster}")
-            except WorkloadStartError as exc:
-                log.warning("prepull_failed", error=str(exc))
+            except Exception as exc:  # a busy daemon's timeout too: never the agent's end
+                log.warning("prepull_failed", error=str(exc) or type(exc).__name__)
                 return
             log.info("prepulled", cluster=command.cluster)
+            self.cached_models, self.images = await self._holdings()
             self._reregister.set()
 
         self._group.create_task(pull_then_register(), name=f"agent prepull {command.image}")

@@ -76,6 +76,15 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
     )
     agent.add_argument("--price", type=float, default=0.0, help="cost per hour, for placement")
     agent.add_argument(
+        "--allow-volume",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a host directory a spec's [docker] volumes may mount (repeatable); besides it, "
+        "only the model cache and named volumes: a spec is written by whoever may apply one, "
+        "and mounting / would give them the node",
+    )
+    agent.add_argument(
         "--model-cache",
         metavar="DIR",
         default="",
@@ -317,7 +326,12 @@ async def _open_driver(args: argparse.Namespace) -> Any:
     if args.workload_driver == "docker":
         from .workload.docker import DockerDriver
 
-        driver = DockerDriver(log_dir, node_id=args.node_id, model_cache=_cache_dir(args))
+        driver = DockerDriver(
+            log_dir,
+            node_id=args.node_id,
+            model_cache=_cache_dir(args),
+            allowed_volumes=[str(Path(d).resolve()) for d in args.allow_volume],
+        )
         try:
             await driver.check()
         except DriverUnavailable as exc:

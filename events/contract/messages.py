@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import re
-from typing import Any, Literal, TypeAlias
+from typing import Annotated, Any, Literal, TypeAlias
 
 import msgspec
 
@@ -258,12 +258,16 @@ class GatewayLoad(
     clusters: dict[str, ClusterLoad] = {}
 
 
+_NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+_Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
+
+
 class TenantDemand(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One tenant's demand on one gateway, over the report's interval."""
 
-    requests_per_s: float = 0.0  # requests asked for, admitted or not
-    tokens_per_min: float = 0.0  # tokens its answers were charged (a token budget's tenant)
-    share: float = 0.0  # the share of the tenant's limits this gateway serves now
+    requests_per_s: _NonNegative = 0.0  # requests asked for, admitted or not
+    tokens_per_min: _NonNegative = 0.0  # tokens its answers were charged (a token budget's)
+    share: _Share = 0.0  # the share of the tenant's limits this gateway serves now
 
 
 class QuotaReport(

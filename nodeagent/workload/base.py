@@ -100,6 +100,14 @@ def render_args(
     return rendered
 
 
+def no_model_cache(cluster: str) -> str:
+    """Why a spec that uses `{model_cache}` cannot start on a node without one."""
+    return (
+        f"cluster {cluster!r} uses {{model_cache}}, and this node has no model cache "
+        "(gpumesh agent --model-cache DIR)"
+    )
+
+
 def gpu_ids(gpu_indices: Sequence[int]) -> str:
     return ",".join(str(i) for i in gpu_indices)
 

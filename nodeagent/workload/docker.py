@@ -26,6 +26,7 @@ from .base import (
     WorkloadStartError,
     gpu_ids,
     model_name,
+    no_model_cache,
     render_args,
 )
 from .ports import free_port
@@ -134,6 +135,7 @@ class DockerDriver:
         host: str = "127.0.0.1",
         node_id: str = "",
         model_cache: str = "",
+        allowed_volumes: Sequence[str] = (),
     ) -> None:
         self.log_dir = log_dir
         self.docker = docker
@@ -141,6 +143,9 @@ class DockerDriver:
         self.host = host
         self.node_id = node_id  # labels its containers; "" leaves them unlabelled
         self.model_cache = model_cache  # {model_cache} in a spec's command and volumes
+        # Host directories a spec may mount besides the model cache (`--allow-volume`): a spec
+        # is written by whoever may apply one, and `/:/host` would give them the node.
+        self.allowed_volumes = tuple(os.path.normpath(d) for d in allowed_volumes)
 
     async def stop_leftovers(self) -> list[str]:
         """Remove every container labelled with this node that a previous run of the agent
@@ -185,17 +190,39 @@ class DockerDriver:
                 "start the docker daemon or use --workload-driver process"
             )
 
-    async def images(self) -> tuple[str, ...]:
+    def _check_mounts(self, spec: ClusterSpec) -> None:
+        """WorkloadStartError unless every host directory the spec mounts is one this node
+        lets specs mount: its model cache, a directory under an `--allow-volume`, or a named
+        volume (docker's own, not a host path); and `{model_cache}` only with a cache."""
+        uses_cache = "{model_cache}" in spec.command or any(
+            v.startswith("{model_cache}") for v in spec.docker.volumes
+        )
+        if uses_cache and not self.model_cache:
+            raise WorkloadStartError(no_model_cache(spec.name))
+        allowed = (*((self.model_cache,) if self.model_cache else ()), *self.allowed_volumes)
+        for volume in spec.docker.volumes:
+            host = volume.replace("{model_cache}", self.model_cache).split(":", 1)[0]
+            if not host.startswith("/"):
+                continue  # a named volume
+            path = os.path.normpath(host)
+            if not any(path == d or path.startswith(d.rstrip("/") + "/") for d in allowed):
+                raise WorkloadStartError(
+                    f"docker.volumes: {host} is not a directory this node lets specs mount "
+                    "(its --model-cache, or one given with gpumesh agent --allow-volume DIR)"
+                )
+
+    async def images(self) -> tuple[str, ...] | None:
         """The images this engine holds, as REPOSITORY:TAG (sorted, at most MAX_IMAGES_LISTED;
-        untagged ones left out), for placement (Register.images); () when it cannot list them."""
+        untagged ones left out), for placement (Register.images); None when it cannot list
+        them now (the agent keeps what it knew)."""
         try:
             code, out, _ = await _run(
                 self.docker, "image", "ls", "--format", "{{.Repository}}:{{.Tag}}"
             )
         except (OSError, TimeoutError):
-            return ()
+            return None
         if code != 0:
-            return ()
+            return None
         names = {line.strip() for line in out.splitlines() if line.strip()}
         tagged = sorted(n for n in names if "<none>" not in n)
         return tuple(tagged[:MAX_IMAGES_LISTED])
@@ -266,6 +293,7 @@ class DockerDriver:
     ) -> DockerWorkload:
         if not spec.image:
             raise WorkloadStartError(f"cluster {spec.name!r} has no image for the docker driver")
+        self._check_mounts(spec)
         await self.pull(spec.image, spec.docker.pull, replica=replica_id)
         host_port = port or free_port(self.host)
         name = f"gpumesh-{replica_id}-{epoch}"

@@ -19,7 +19,14 @@ import structlog
 
 from events.cluster import ClusterSpec
 
-from .base import WorkloadEnded, WorkloadStartError, gpu_ids, model_name, render_args
+from .base import (
+    WorkloadEnded,
+    WorkloadStartError,
+    gpu_ids,
+    model_name,
+    no_model_cache,
+    render_args,
+)
 from .engines import missing_program
 from .leftovers import Records, die_with_parent
 from .ports import free_port
@@ -68,6 +75,8 @@ class ProcessDriver:
             raise WorkloadStartError(f"cluster {spec.name!r} has no command to run")
         port = port or spec.port or free_port(self.host)
         ids = gpu_ids(gpu_indices)
+        if "{model_cache}" in spec.command and not self.model_cache:
+            raise WorkloadStartError(no_model_cache(spec.name))
         argv = render_args(
             template, port=port, gpu_ids=ids, model=model_name(spec), model_cache=self.model_cache
         )

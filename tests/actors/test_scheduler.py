@@ -977,3 +977,12 @@ def test_a_node_holding_the_image_wins_and_the_reason_says_so() -> None:
     files = node("files", 2, cached_models=("m",), price_per_hour=0.1)
     result = placed([both, files], spec(image="e:1", model_files="m"))
     assert result.node_id == "both" and "image e:1 pulled there, not on files" in result.why
+
+
+def test_image_names_are_compared_as_docker_lists_them() -> None:
+    from actors.scheduler import image_ref
+
+    assert image_ref("docker.io/vllm/vllm-openai:v1") == "vllm/vllm-openai:v1"
+    assert image_ref("docker.io/library/ubuntu") == "ubuntu:latest"
+    assert image_ref("library/ubuntu:24.04") == "ubuntu:24.04"
+    assert image_ref("ghcr.io/huggingface/tei:1.5") == "ghcr.io/huggingface/tei:1.5"

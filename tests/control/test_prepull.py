@@ -3,6 +3,8 @@ lacks the image is told to pull it, before any placement; the others are not."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from events.cluster import ClusterSpec, DockerOptions, GpuRequirement
@@ -40,11 +42,17 @@ def test_a_prepull_spec_asks_the_nodes_that_could_host_it() -> None:
             # Holding it already, outside the regions, too few GPUs: not asked.
             for other in ("has-it", "us", "one-gpu"):
                 assert f.agents[other].pulled == [], other
-            # A spec without prepull asks nobody.
+            # A spec without prepull asks nobody (waited for on virtual time).
             plain = ClusterSpec(name="plain", replicas=0, image=IMAGE)
             assert (await f.api("cluster.create", plain)).ok
-            await f.until(lambda: "plain" in f.state.clusters.clusters, within=5)
+            await asyncio.sleep(5)
             assert f.agents["n0"].pulled == [IMAGE]
+            # Deleted and created again under its name: asked again (a new command id).
+            assert (await f.api("cluster.delete", {"name": "big"})).ok
+            assert (await f.api("cluster.create", spec)).ok
+            await f.until(
+                lambda: f.agents["n0"].pulled == [IMAGE, IMAGE], within=10, why="asked again"
+            )
 
     run_simulation(scenario())
 

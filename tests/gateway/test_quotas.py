@@ -190,3 +190,41 @@ def test_idle_tenants_are_reported_and_new_ones_start_with_a_share_of_the_gatewa
 class _Log:
     def warning(self, event: str, **kw: object) -> None:
         assert event == "quota_report_undecodable"
+
+
+def test_a_small_share_still_admits_one_request_at_a_time() -> None:
+    clock = Clock()
+    keys = ring(clock, rate_per_s=20, burst=10, tokens_per_min=600, token_burst=20)
+    acme = keys.authenticate("Bearer gm-acme")
+    assert acme is not None
+    quota = keys.quota(acme)
+    quota.set_share(0.02)  # a bucket of 0.2 requests and 0.4 tokens: never one whole
+    assert keys.admit(acme) == 0.0
+    wait = keys.admit(acme)
+    assert wait == pytest.approx(1 / (20 * 0.02))  # finite: one at this share of the rate
+    clock.now += wait
+    assert keys.admit(acme) == 0.0
+
+
+def test_an_answer_ending_after_a_reload_does_not_bring_the_old_limits_back(
+    tmp_path: object,
+) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "keys.toml"
+    path.write_text('[tenants.acme]\nkeys = ["gm-acme"]\nrate_per_s = 0\ntokens_per_min = 600\n')
+    clock = Clock()
+    keys = KeyRing.load(path, clock=clock)  # type: ignore[arg-type]
+    old = keys.authenticate("Bearer gm-acme")
+    assert old is not None and keys.admit(old) == 0.0  # admitted, its answer still running
+    path.write_text('[tenants.acme]\nkeys = ["gm-acme"]\nrate_per_s = 0\ntokens_per_min = 60000\n')
+    assert keys.reload()
+    keys.charge(old, 100)  # the answer admitted before the reload ends
+    assert "acme" not in keys.quotas  # not made again with the old limits
+    new = keys.authenticate("Bearer gm-acme")
+    assert new is not None and keys.admit(new) == 0.0
+    assert keys.quotas["acme"].tenant.tokens_per_min == 60000
+    path.write_text('[tenants.beta]\nkeys = ["gm-beta"]\nrate_per_s = 1\n')
+    assert keys.reload()
+    keys.charge(new, 5)  # a tenant removed: nothing comes back
+    assert "acme" not in keys.quotas

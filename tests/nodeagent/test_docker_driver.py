@@ -311,3 +311,53 @@ def test_the_nodes_model_cache_fills_the_volumes_and_the_command() -> None:
     )  # fmt: skip
     assert ("-v", "/srv/models:/root/.cache/huggingface") in list(itertools.pairwise(argv))
     assert argv[-4:] == ["--download-dir", "/srv/models", "--port", "8000"]
+
+
+@pytest.mark.parametrize(
+    ("volumes", "command", "cache", "allowed", "refused"),
+    [
+        (("/:/host",), "", "/srv/models", (), "docker.volumes: / is not a directory"),
+        (("/srv/models/../../etc:/e",), "", "/srv/models", (), "/srv/models/../../etc is not"),
+        (("/var/run/docker.sock:/s",), "", "", ("/var/lib",), "/var/run/docker.sock is not"),
+        (("{model_cache}:/c",), "", "", (), "uses {model_cache}, and this node has no model"),
+        ((), "--dir {model_cache}", "", (), "uses {model_cache}, and this node has no model"),
+    ],
+)
+async def test_a_spec_mounts_only_what_the_node_allows(
+    tmp_path: Path,
+    volumes: tuple[str, ...],
+    command: str,
+    cache: str,
+    allowed: tuple[str, ...],
+    refused: str,
+) -> None:
+    driver = DockerDriver(
+        tmp_path, docker=str(tmp_path / "no-docker"), model_cache=cache, allowed_volumes=allowed
+    )
+    spec = ClusterSpec(
+        name="x", image="i:1", command=command, docker=DockerOptions(volumes=volumes)
+    )
+    with pytest.raises(WorkloadStartError) as caught:
+        await driver.start("r1", 1, spec, (), 0)
+    assert refused in str(caught.value) and "\n" not in str(caught.value)
+
+
+async def test_the_cache_allowed_directories_and_named_volumes_are_mounted(
+    tmp_path: Path, docker_stand_in: tuple[str, Path]
+) -> None:
+    docker, state = docker_stand_in
+    driver = DockerDriver(
+        tmp_path / "logs", docker=docker, probes=FAST, model_cache="/srv/models",
+        allowed_volumes=("/data/shared",),
+    )  # fmt: skip
+    volumes = ("{model_cache}/hf:/root/.cache/huggingface", "/data/shared/x:/x:ro", "cache:/c")
+    spec = ClusterSpec(name="x", image="e:1", docker=DockerOptions(volumes=volumes))
+    workload = await driver.start("r1", 1, spec, (), 0)
+    try:
+        run = json.loads((state / "run.json").read_text())
+        mounted = [run[i + 1] for i, a in enumerate(run) if a == "-v"]
+        assert mounted == [
+            "/srv/models/hf:/root/.cache/huggingface", "/data/shared/x:/x:ro", "cache:/c"
+        ]  # fmt: skip
+    finally:
+        await workload.stop(1.0)

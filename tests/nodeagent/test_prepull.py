@@ -81,3 +81,25 @@ def test_an_agent_without_the_docker_driver_says_it_cannot_prepull() -> None:
         )
 
     run_simulation(scenario())
+
+
+class StuckDockerDriver(PullingDriver):
+    """A daemon too busy to answer: its commands time out."""
+
+    async def pull(self, image: str, policy: str = "missing", *, replica: str = "") -> None:
+        raise TimeoutError()
+
+
+def test_a_pull_that_times_out_is_logged_and_the_agent_goes_on() -> None:
+    async def scenario() -> None:
+        h = Harness(driver=StuckDockerDriver())
+        with capture_logs() as logs:
+            async with h.running():
+                await wait_until(lambda: len(h.registrations) == 1)
+                await h.send(pull("vllm/vllm-openai:v0.6.3"))
+                await wait_until(lambda: any(e["event"] == "prepull_failed" for e in logs))
+                seen = h.registrations[-1][0]
+                await h.heartbeat_after(seen + 2.0)  # still heartbeating: the agent lives
+        assert next(e for e in logs if e["event"] == "prepull_failed")["error"] == "TimeoutError"
+
+    run_simulation(scenario())

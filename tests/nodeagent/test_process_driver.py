@@ -290,3 +290,9 @@ async def test_start_errors_are_one_clear_line(
     with pytest.raises(WorkloadStartError, match=message) as caught:
         await driver.start("r13", 1, ClusterSpec(name="x", command=command), (), 0)
     assert "\n" not in str(caught.value)
+
+
+async def test_a_command_using_the_model_cache_needs_one(driver: ProcessDriver) -> None:
+    spec = ClusterSpec(name="x", command="serve --dir {model_cache} --port {port}")
+    with pytest.raises(WorkloadStartError, match=r"uses \{model_cache\}, and this node has no"):
+        await driver.start("r13", 1, spec, (), 0)
