@@ -21,6 +21,7 @@ import aiohttp
 import msgspec
 import structlog
 from aiohttp import web
+from multidict import CIMultiDict
 
 from events.contract.tunnel import HOP_BY_HOP, NOT_DELIVERED, NOT_DELIVERED_HEADER
 
@@ -164,6 +165,8 @@ class DirectFront:
             # Connected, so the workload may have seen the request before it went away.
             return _refuse(502, "reset", f"the workload did not answer: {exc}", reached=True)
         async with upstream:
+            if upstream.content.is_eof() and request.method != "HEAD":
+                return await _whole(upstream, span)
             response = web.StreamResponse(status=upstream.status)
             for name, value in upstream.headers.items():
                 if name.lower() not in HOP_BY_HOP:
@@ -180,3 +183,17 @@ class DirectFront:
                 return response
             await response.write_eof()
             return response
+
+
+async def _whole(upstream: aiohttp.ClientResponse, span: FrontSpan | None) -> web.StreamResponse:
+    """An answer whose body came in with its head (most non-streaming ones) goes on in one
+    write, its length known: one TLS record and one send, where relaying it chunk by chunk
+    takes more (head and body, then the chunked end). Nothing waits for it."""
+    try:
+        body = await upstream.read()
+    except (aiohttp.ClientError, OSError) as exc:
+        if span is not None:
+            span.outcome("reset", str(exc))
+        return _refuse(502, "reset", f"the workload broke off its answer: {exc}", reached=True)
+    headers = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP]
+    return web.Response(status=upstream.status, body=body, headers=CIMultiDict(headers))
