@@ -60,14 +60,40 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         parents=list(parents),
         help="issue credentials for a gateway, integrator, admin or node",
         description="Write one credentials file (the identity's NKEY seed, its role and the "
-        "CA): copy it to the machine that will use it and pass it as --nats-creds.",
+        "CA; for a gateway or a node also its TLS certificate, for the direct transport's "
+        "mutual TLS): copy it to the machine that will use it and pass it as --nats-creds.",
     )
     issue.add_argument("name", help="the identity's name ([A-Za-z0-9_-])")
     issue.add_argument("--role", required=True, choices=get_args(Role))
     issue.add_argument("--out", type=Path, metavar="FILE", help="where to write the file")
+    _address_argument(issue)
     issue.set_defaults(handler=run_issue)
+    tls = verbs.add_parser(
+        "tls",
+        parents=list(parents),
+        help="give a node or gateway a new TLS certificate (a node's new address)",
+        description="Write a new TLS certificate into a node's or a gateway's credentials "
+        "file: for a node whose --address changed, or a file issued before nodes' fronts "
+        "took certificates. The certificate it replaces is revoked (crl.pem).",
+    )
+    tls.add_argument("name", help="the node's or gateway's name")
+    tls.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="the credentials file to update (default: the data directory's); it must be "
+        "that identity's",
+    )
+    _address_argument(tls)
+    tls.set_defaults(handler=run_tls)
     revoke = verbs.add_parser(
-        "revoke", parents=list(parents), help="revoke an identity and cut its connections"
+        "revoke",
+        parents=list(parents),
+        help="revoke an identity and cut its connections",
+        description="Remove the identity's key from nats.conf and reload the running "
+        "nats-servers (its NATS connections close), and put its TLS certificate in crl.pem: "
+        "nodes' fronts that read it (those of this data directory's agents, and every node "
+        "given a copy as --front-crl) close a revoked gateway's connections within a second.",
     )
     revoke.add_argument("name")
     revoke.set_defaults(handler=run_revoke)
@@ -83,6 +109,7 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     )
     node_issue.add_argument("name", metavar="NODE_ID")
     node_issue.add_argument("--out", type=Path, metavar="FILE", help="where to write the file")
+    _address_argument(node_issue)
     node_issue.set_defaults(handler=run_issue, role="node")
     node_revoke = node_verbs.add_parser(
         "revoke",
@@ -95,6 +122,17 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     )
     node_revoke.add_argument("name", metavar="NODE_ID")
     node_revoke.set_defaults(handler=run_revoke)
+
+
+def _address_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--address",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="for a node: an address or name gateways dial its front at, the agent's "
+        "--address (repeatable; default 127.0.0.1 and localhost)",
+    )
 
 
 def _fail(message: str) -> int:
@@ -150,12 +188,32 @@ async def run_list(args: argparse.Namespace) -> int:
 async def run_issue(args: argparse.Namespace) -> int:
     layout = SecurityLayout(args.data_dir)
     try:
-        path = identities.issue(layout, args.name, args.role, out=args.out)
+        path = identities.issue(layout, args.name, args.role, out=args.out, hosts=args.address)
     except identities.SecurityError as exc:
         return _fail(str(exc))
     print(f"issued {args.role} '{args.name}': {path} (secret: keep it on that machine only)")
+    _say_front(args.role, args.address)
     _reload(layout, args.data_dir)
     return 0
+
+
+async def run_tls(args: argparse.Namespace) -> int:
+    layout = SecurityLayout(args.data_dir)
+    try:
+        path = identities.issue_tls(layout, args.name, hosts=args.address, out=args.out)
+    except identities.SecurityError as exc:
+        return _fail(str(exc))
+    found = identities.load_registry(layout).find(args.name)
+    role = found.role if found is not None else "node"
+    print(f"new TLS certificate for {role} '{args.name}' in {path}; the old one is revoked")
+    _say_front(role, args.address)
+    return 0
+
+
+def _say_front(role: str, addresses: Sequence[str]) -> None:
+    if role == "node":
+        where = ", ".join(addresses or pki.DEFAULT_HOSTS)
+        print(f"its front's certificate names {where}: start its agent with --address one of them")
 
 
 async def run_revoke(args: argparse.Namespace) -> int:
@@ -165,6 +223,11 @@ async def run_revoke(args: argparse.Namespace) -> int:
     except identities.SecurityError as exc:
         return _fail(str(exc))
     print(f"revoked {revoked.role} '{revoked.name}' at {revoked.revoked_at}")
+    if revoked.tls_serial:
+        print(
+            f"its TLS certificate is in {layout.crl}: nodes' fronts reading it (this data "
+            "directory's agents; copy it to other nodes' --front-crl) drop it within a second"
+        )
     _reload(layout, args.data_dir)
     return 0
 
