@@ -2,12 +2,20 @@
 
 One `HttpClient` for every replica: it keeps idle connections per host, so a busy replica is
 reached without a TCP handshake per request.
+
+With a TLS context (`secure()`: the gateway's certificate, from its credentials), a node's
+front (an address under `/replica/`) is dialled over mutual TLS: the front must show a `node`
+certificate of the stack's CA for the address dialled, and it checks ours. The pool keeps
+those connections too, so TLS costs a handshake per connection, not per request. Other
+addresses (an agent's `--no-direct-fence`: a workload's own port) stay plain HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Final
 
 from events.contract.messages import RouteEntry
 from events.contract.tunnel import HOP_BY_HOP, NOT_DELIVERED_HEADER
@@ -21,6 +29,7 @@ from wire.http_client import (
     encode_request,
     origin,
 )
+from wire.nats_access import tls_identity
 
 from .base import (
     ConnectFailed,
@@ -30,7 +39,50 @@ from .base import (
     UpstreamRequest,
 )
 
+if TYPE_CHECKING:  # the pool's connection: what HttpClient._connect, overridden here, returns
+    from wire.http_client import _Connection
+
 _NOT_DELIVERED = NOT_DELIVERED_HEADER.lower()
+# Where a node's front serves replicas (nodeagent/fencing_front.py PREFIX; the gateway may not
+# import the agent's package).
+_FRONT: Final = "/replica/"
+
+
+class _TlsClient(HttpClient):
+    """The pool, with each new connection taken through a TLS handshake before its first
+    request, and kept only if the far end is a node's front."""
+
+    def __init__(self, context: ssl.SSLContext, *, connect_timeout: float) -> None:
+        super().__init__(connect_timeout=connect_timeout)
+        self._context = context
+        self._handshake_timeout = connect_timeout
+
+    async def _connect(self, host: str, port: int, head_deadline: float) -> _Connection:
+        conn = await super()._connect(host, port, head_deadline)
+        loop = asyncio.get_running_loop()
+        plain = conn.transport
+        assert plain is not None
+        budget = min(self._handshake_timeout, max(0.0, head_deadline - loop.time()))
+        address = f"{host}:{port}"
+        try:
+            async with asyncio.timeout(budget):
+                secured = await loop.start_tls(plain, conn, self._context, server_hostname=host)
+        except TimeoutError as exc:
+            plain.abort()
+            raise ConnectError(f"no TLS handshake within {budget:g} s", address=address) from exc
+        except (OSError, ssl.SSLError) as exc:
+            plain.abort()
+            raise ConnectError(f"TLS with the node's front failed: {exc}", address=address) from exc
+        if secured is None:
+            plain.abort()
+            raise ConnectError("the front closed during the TLS handshake", address=address)
+        conn.transport = secured
+        found = tls_identity(secured.get_extra_info("peercert"))
+        if found is None or found[0] != "node":
+            secured.abort()
+            who = f"a {found[0]}'s" if found else "no gpumesh"
+            raise ConnectError(f"{address} shows {who} certificate, not a node's", address=address)
+        return conn
 
 
 class DirectResponse:
@@ -98,13 +150,32 @@ class DirectTransport:
     name = "direct"
 
     def __init__(
-        self, *, connect_timeout: float = 2.0, pool_per_host: int = 0, idle_timeout: float = 60.0
+        self,
+        *,
+        connect_timeout: float = 2.0,
+        pool_per_host: int = 0,
+        idle_timeout: float = 60.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
+        """`tls`: dial nodes' fronts over mutual TLS with this context (see `secure`)."""
         # A replica that goes silent this long mid-answer (power loss, partition: no RST ever
         # comes) breaks the stream instead of hanging it forever. Same default as the overlay.
         self._idle_timeout = idle_timeout
+        self._connect_timeout = connect_timeout
         self._client = HttpClient(connect_timeout=connect_timeout)
+        self._fronts: HttpClient = self._client
+        if tls is not None:
+            self.secure(tls)
         del pool_per_host  # kept for callers; the pool opens what concurrent requests need
+
+    def secure(self, tls: ssl.SSLContext) -> None:
+        """Dial nodes' fronts over mutual TLS with `tls` (a client context holding this
+        gateway's certificate); before the first request."""
+        self._fronts = _TlsClient(tls, connect_timeout=self._connect_timeout)
+
+    @property
+    def tls(self) -> bool:
+        return self._fronts is not self._client
 
     async def open(self, route: RouteEntry, request: UpstreamRequest) -> DirectResponse:
         try:
@@ -113,10 +184,9 @@ class DirectTransport:
             raise ConnectFailed(route.replica_id, str(exc)) from exc
         data = encode_request(request.method, request.path, where, request.headers, request.body)
         deadline = asyncio.get_running_loop().time() + request.first_byte_timeout
+        client = self._fronts if where.prefix.startswith(_FRONT) else self._client
         try:
-            response = await self._client.request(
-                where.host, where.port, request.method, data, deadline
-            )
+            response = await client.request(where.host, where.port, request.method, data, deadline)
         except ConnectError as exc:
             raise ConnectFailed(route.replica_id, str(exc)) from exc
         except HeadTimeout as exc:
@@ -138,6 +208,8 @@ class DirectTransport:
 
     async def close(self) -> None:
         await self._client.close()
+        if self._fronts is not self._client:
+            await self._fronts.close()
 
 
 def _header(response: Response, lower_name: str) -> str:
