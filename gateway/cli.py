@@ -149,6 +149,13 @@ def add_arguments(gw: argparse.ArgumentParser) -> None:
         help="keep requests with the same prompt prefix (or `user`) on one replica, bounded "
         "by load, so it can reuse its KV cache (default off: power of two choices)",
     )
+    gw.add_argument(
+        "--insecure-front",
+        action="store_true",
+        help="reach nodes' fronts (the direct transport) in plain HTTP even when NATS is "
+        "secured, for agents run with --insecure-front (by default it is then mutual TLS "
+        "with the certificate in the gateway's credentials; with NATS unsecured, plain)",
+    )
     gw.add_argument("--tls-cert", type=Path, help="serve HTTPS with this certificate (PEM)")
     gw.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     gw.add_argument("--no-access-log", action="store_true", help="do not log a line per request")
@@ -220,9 +227,42 @@ def config_from(args: argparse.Namespace) -> Any:
     )
 
 
-def real_gateway(args: argparse.Namespace, bus: Any, config: Any, keys: Any) -> Any:
+def front_tls(args: argparse.Namespace, creds: Any, transport: str) -> Any:
+    """The client TLS context the direct transport dials nodes' fronts with: the gateway's
+    certificate from its credentials (`creds`) when NATS is secured; None (plain HTTP, said
+    once in the log) when it is not, or with --insecure-front. CommandFailed when credentials
+    hold no certificate."""
+    import structlog
+
+    from wire.errors import CommandFailed
+
+    if transport != "direct":
+        return None
+    log = structlog.get_logger("gpumesh.gateway")
+    if creds is None or getattr(args, "insecure_front", False):
+        why = "--insecure-front" if creds is not None else "NATS is not secured"
+        log.warning("fronts_plain", reason=why, detail="nodes' fronts are reached in plain HTTP")
+        return None
+    if not creds.tls_pem:
+        raise CommandFailed(
+            f"gateway {creds.name!r}'s credentials hold no certificate for nodes' fronts: run "
+            f"`gpumesh certs tls {creds.name} --out FILE` where they were issued and use FILE "
+            "(or --insecure-front, for agents run with --insecure-front)"
+        )
+    from wire.nats_access import CredentialsError
+
+    try:
+        return creds.tls_context(server=False)
+    except CredentialsError as exc:
+        raise CommandFailed(str(exc)) from None
+
+
+def real_gateway(
+    args: argparse.Namespace, bus: Any, config: Any, keys: Any, *, fronts_tls: Any = None
+) -> Any:
     """A Gateway on the real clock, a random seed, the access log the command's log options
-    ask for, and the routing log on JetStream (`gpumesh gateway` and `gpumesh up` alike)."""
+    ask for, and the routing log on JetStream (`gpumesh gateway` and `gpumesh up` alike).
+    `fronts_tls`: dial nodes' fronts over mutual TLS with this client context (`front_tls`)."""
     import structlog
 
     from runtime.real_env import LoopClock, seeded_rng_factory
@@ -230,6 +270,7 @@ def real_gateway(args: argparse.Namespace, bus: Any, config: Any, keys: Any) -> 
 
     from .access_log import access_log_for
     from .server import Gateway
+    from .transport.direct import DirectTransport
 
     rng = seeded_rng_factory(int.from_bytes(os.urandom(8), "big"))("gateway")
     access_log = access_log_for(
@@ -238,7 +279,7 @@ def real_gateway(args: argparse.Namespace, bus: Any, config: Any, keys: Any) -> 
         structlog.get_logger("gpumesh.gateway").bind(gateway=config.gateway_id),
         {"gateway": config.gateway_id},
     )
-    return Gateway(
+    gateway = Gateway(
         bus,
         config,
         keys,
@@ -248,6 +289,10 @@ def real_gateway(args: argparse.Namespace, bus: Any, config: Any, keys: Any) -> 
         routing_log=partial(last_routing_table, bus),
         tracer=request_tracer(args),
     )
+    if fronts_tls is not None and isinstance(gateway.transport, DirectTransport):
+        # Before any request: the Gateway builds its transport without a certificate.
+        gateway.transport.secure(fronts_tls)
+    return gateway
 
 
 async def run_gateway(args: argparse.Namespace) -> int:
@@ -266,18 +311,18 @@ async def run_gateway(args: argparse.Namespace) -> int:
     except (ValueError, KeyFileError) as exc:
         raise CommandFailed(str(exc)) from None
     url = find_nats_url(args.data_dir, args.nats)
-    bus = await NatsBus.connect(
-        url,
-        name=f"gpumesh-gateway-{config.gateway_id}",
-        credentials=credentials(args, url, "gateway"),
-    )
+    creds = credentials(args, url, "gateway")
+    fronts = front_tls(args, creds, config.transport)
+    bus = await NatsBus.connect(url, name=f"gpumesh-gateway-{config.gateway_id}", credentials=creds)
     try:
-        gateway = real_gateway(args, bus, config, keys)
+        gateway = real_gateway(args, bus, config, keys, fronts_tls=fronts)
         print(
             f"gateway: {config.transport} transport, NATS {url}, serving on "
             f"{'https' if config.tls_cert else 'http'}://{config.host}:{config.port}",
             file=sys.stderr,
         )
+        if fronts is not None and creds is not None:
+            print(f"gateway: nodes' fronts over mutual TLS, as {creds.name}", file=sys.stderr)
         print(f"gateway: /api/v1 {api_mode(keys)}", file=sys.stderr)
         loop = asyncio.get_running_loop()
         # SIGHUP: read the key file again now (it is also read again when it changes).

@@ -230,7 +230,7 @@ async def run_up(args: argparse.Namespace) -> int:
             )
             outbox = OutboxPublisher(store, bus)
             stop = asyncio.Event()
-            gateway = None if args.no_gateway else _gateway(args, bus)
+            gateway = None if args.no_gateway else _gateway(args, bus, url)
             # The first signal ends the stack in order; a second one cancels that order.
             await run_until_signal(
                 _serve(args, url, bus, controller, outbox, gateway, agents, logs, stop),
@@ -332,6 +332,8 @@ def _secure(data_dir: Path, nodes: int) -> None:
                     f"{node_id} was revoked at {found.revoked_at}; start fewer --nodes or use "
                     "another --data-dir"
                 )
+            elif identities.ensure_tls(layout, node_id):  # made before fronts took TLS
+                created.append(str(layout.creds(node_id)))
     except identities.SecurityError as exc:
         raise CommandFailed(str(exc)) from None
     if created:
@@ -528,10 +530,11 @@ async def _demo(bus: Any, controller: Any, stop: asyncio.Event, spec: ClusterSpe
                 await stop.wait()
 
 
-def _gateway(args: argparse.Namespace, bus: Any) -> Any:
+def _gateway(args: argparse.Namespace, bus: Any, url: str) -> Any:
     from gateway.auth import KeyFileError, KeyRing
-    from gateway.cli import parse_listen, real_gateway
+    from gateway.cli import front_tls, parse_listen, real_gateway
     from gateway.server import GatewayConfig
+    from wire.commandline import credentials
     from wire.errors import CommandFailed
 
     try:
@@ -548,7 +551,10 @@ def _gateway(args: argparse.Namespace, bus: Any) -> Any:
     config = GatewayConfig(
         gateway_id=f"gw-up-{os.getpid()}", host=host, port=port, transport=args.transport
     )
-    return real_gateway(args, bus, config, keys)
+    # It shares the controller's NATS connection, but dials the nodes' fronts as the stack's
+    # `gateway` identity: the one certificate fronts serve.
+    fronts = front_tls(args, credentials(args, url, "gateway"), args.transport)
+    return real_gateway(args, bus, config, keys, fronts_tls=fronts)
 
 
 def admin_key_path(data_dir: Path) -> Path:
@@ -622,7 +628,7 @@ def _summary(
             )
     if gateway_url and args.demo:
         lines.append(f"  ask it:      curl -s {gateway_url}{_ask(demo)}")
-    elif routes:
+    elif routes and not url.startswith("tls://"):
         lines.append(f"  a replica:   curl -s {routes[0].address}{_ask(demo)}")
     if metrics:
         width = max(len(name) for name in metrics)

@@ -118,6 +118,27 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         help="port of this node's HTTP front for the direct transport (default: any free one)",
     )
     agent.add_argument(
+        "--front-listen",
+        metavar="HOST",
+        help="where the front listens (default: --address, the address it is advertised at; "
+        "0.0.0.0: every interface, e.g. behind NAT, where --address is not this machine's)",
+    )
+    agent.add_argument(
+        "--front-crl",
+        type=Path,
+        metavar="FILE",
+        help="the CA's revocation list, re-read when it changes: a revoked gateway's "
+        "connections to the front are closed (default: DATA_DIR/security/crl.pem, which "
+        "`gpumesh certs revoke` writes; copy it to nodes on other machines)",
+    )
+    agent.add_argument(
+        "--insecure-front",
+        action="store_true",
+        help="serve the front in plain HTTP to anyone who reaches it, even when NATS is "
+        "secured (by default it is then mutual TLS, gateways only, with the certificate in "
+        "the node's credentials; with NATS unsecured it is always plain)",
+    )
+    agent.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: 127.0.0.1; "
@@ -368,6 +389,7 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
     url = _nats_url(args)
     try:
         creds = _credentials(args, url, config.node_id)
+        front = _front(args, config, creds)
         bus = await NatsBus.connect(url, name=f"gpumesh-agent-{config.node_id}", credentials=creds)
     except (BusUnavailable, CredentialsError) as exc:
         _error(str(exc))
@@ -386,6 +408,8 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
         agent = Agent(
             env, commands, probe, driver, config, read_lease=partial(read_lease, bus), key=key
         )
+        if agent.front is not None and front is not None:
+            agent.front.configure(host=front[0], tls=front[1])
         bus.add_reconnect_callback(agent.on_reconnect)
         leaves = config.leave_grace_s > 0
         revoked = await run_until_signal(
@@ -409,6 +433,74 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
         )
         return 1
     return 0
+
+
+def _front(args: argparse.Namespace, config: AgentConfig, creds: Any) -> tuple[str, Any] | None:
+    """Where the node's front listens and its FrontTLS (None: plain), or None without a front.
+    With NATS secured (credentials), mutual TLS with the credentials' certificate, unless
+    --insecure-front; else plain, said once in the log. Raises CredentialsError (one line)."""
+    if not config.direct_front:
+        return None
+    import structlog
+
+    from wire.nats_access import CredentialsError, SecurityLayout
+
+    from .fencing_front import FrontTLS
+
+    host = args.front_listen or config.address
+    log = structlog.get_logger("gpumesh.front").bind(node=config.node_id)
+    if creds is None or args.insecure_front:
+        why = "--insecure-front" if creds is not None else "NATS is not secured"
+        log.warning("front_plain", reason=why, host=host, served="anyone who reaches it")
+        return host, None
+    data_dir = Path(getattr(args, "data_dir", None) or ".")
+    where = args.nats_creds or SecurityLayout(data_dir).creds(config.node_id)
+    if not creds.tls_pem:
+        raise CredentialsError(
+            f"{where} holds no certificate for node {config.node_id}'s front: run `gpumesh "
+            f"certs tls {config.node_id} --address {config.address} --out FILE` where its "
+            "credentials were issued and copy FILE here (or serve the front in plain HTTP with "
+            "--insecure-front)"
+        )
+    names = _certificate_names(creds.tls_pem)
+    if not _covers(names, config.address):
+        raise CredentialsError(
+            f"node {config.node_id}'s front certificate ({where}) names {', '.join(names)}, "
+            f"not --address {config.address}: run `gpumesh certs tls {config.node_id} "
+            f"--address {config.address} --out FILE` where its credentials were issued"
+        )
+    crl = args.front_crl or SecurityLayout(data_dir).crl
+    return host, FrontTLS(creds.tls_context(server=True), creds.ca_pem, crl)
+
+
+def _certificate_names(pem: str) -> list[str]:
+    """The host names and addresses the certificate in `pem` (key and certificate) is for."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate(pem[pem.index("-----BEGIN CERTIFICATE-----") :].encode())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [str(n) for n in sans.get_values_for_type(x509.IPAddress)] + list(
+        sans.get_values_for_type(x509.DNSName)
+    )
+
+
+def _covers(names: Sequence[str], address: str) -> bool:
+    import ipaddress
+
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        return address.lower() in (n.lower() for n in names)
+    for name in names:
+        try:
+            if ipaddress.ip_address(name) == wanted:
+                return True
+        except ValueError:
+            continue
+    return False
 
 
 async def _until_refused(main: Coroutine[Any, Any, None], refused: asyncio.Event) -> bool:
