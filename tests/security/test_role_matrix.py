@@ -713,8 +713,10 @@ def test_the_docs_control_api_table_is_the_routers_and_the_scope_tables() -> Non
 
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 22 part 1 is not built: a node's fencing front checks no caller (no mutual "
-    "TLS), so whoever reaches its port is served like a gateway",
+    reason="a front built without FrontTLS is the plain one (NATS unsecured, or the agent's "
+    "--insecure-front), which serves whoever reaches it, and tests/nodeagent/test_front.py and "
+    "others build it this same way to be served; a secured stack's front is mutual TLS and "
+    "refuses strangers: tests/security/test_front_mtls.py",
 )
 async def test_a_node_front_serves_only_gateways() -> None:
     workload = await Upstream("workload").start()
