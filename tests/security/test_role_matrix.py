@@ -34,7 +34,7 @@ from gateway.auth import KeyRing
 from gateway.control_routes import ROUTE_NEEDS, control_app
 from gpumesh.security import identities
 from gpumesh.security.roles import permissions
-from nodeagent.fencing_front import DirectFront, front_path
+from nodeagent.fencing_front import DirectFront, FrontTLS, front_path
 from runtime.env import Bus, Msg, MsgHandler
 from sim.bus import MemoryBus, MemorySubscription, subject_matches
 from tests.integration.gateway_kit import RoutingSource, Upstream, route, running_gateway
@@ -711,28 +711,69 @@ def test_the_docs_control_api_table_is_the_routers_and_the_scope_tables() -> Non
 # -- the node's front ----------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a front built without FrontTLS is the plain one (NATS unsecured, or the agent's "
-    "--insecure-front), which serves whoever reaches it, and tests/nodeagent/test_front.py and "
-    "others build it this same way to be served; a secured stack's front is mutual TLS and "
-    "refuses strangers: tests/security/test_front_mtls.py",
-)
-async def test_a_node_front_serves_only_gateways() -> None:
+@pytest.fixture(scope="module")
+def front_layout(tmp_path_factory: pytest.TempPathFactory) -> SecurityLayout:
+    """A stack's security files, one identity of every role (node-1 is the front's node)."""
+    made = SecurityLayout(tmp_path_factory.mktemp("front") / "stack")
+    identities.init(made)
+    for role in ROLES:
+        if role != "gateway":
+            identities.issue(made, f"a-{role}" if role != "node" else "node-1", role)
+    identities.issue(made, "node-2", "node")
+    return made
+
+
+async def _front_answer(layout: SecurityLayout, caller: str | None) -> int | str:
+    """What node-1's front, as a secured stack runs it (mutual TLS, the stack's crl.pem), does
+    with a request from `caller`'s identity (None: a stranger with no certificate): the HTTP
+    status, or "refused" when the handshake fails."""
+    import ssl
+
+    node = load_credentials(layout.creds("node-1"))
     workload = await Upstream("workload").start()
     front = DirectFront(
         "127.0.0.1",
         0,
         lambda replica, epoch: workload.address if (replica, epoch) == ("r", 1) else None,
         lambda replica, epoch: "",  # leased
+        tls=FrontTLS(node.tls_context(server=True), node.ca_pem, layout.crl),
     )
     task = asyncio.create_task(front.run())
     try:
         await front.listening.wait()
-        url = f"http://127.0.0.1:{front.port}{front_path('r', 1)}/v1/chat/completions"
-        async with aiohttp.ClientSession() as anyone, anyone.post(url, data=CHAT % b"r") as reply:
-            # No certificate, no key: a stranger on the node's network.
-            assert reply.status in (401, 403), f"a stranger was served: {reply.status}"
+        context: ssl.SSLContext | bool = False
+        if caller is not None:
+            identity = load_credentials(layout.creds(caller))
+            context = identity.tls_context(server=False) if identity.tls_pem else False
+        if context is False:
+            # No certificate: the front's own CA trusted, nothing presented.
+            context = ssl.create_default_context(cadata=node.ca_pem)
+        url = f"https://127.0.0.1:{front.port}{front_path('r', 1)}/v1/chat/completions"
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(url, data=CHAT % b"r", ssl=context) as reply,
+            ):
+                return reply.status
+        except (aiohttp.ClientError, ssl.SSLError, ConnectionError):
+            return "refused"
     finally:
         await cancel_and_wait(task)
         await workload.stop()
+
+
+@pytest.mark.parametrize("role", [*ROLES, None])
+async def test_a_node_front_serves_only_gateways(
+    front_layout: SecurityLayout, role: Role | None
+) -> None:
+    # For any two roles, one is served by a node's front and the other not unless both are
+    # the gateway's: the front's table has one row. A node's own certificate (node-2) and the
+    # control plane's identities, which hold no TLS certificate, are strangers to it. (A front
+    # built without FrontTLS is the plain one, NATS unsecured or --insecure-front: it serves
+    # whoever reaches it, and says so in the log; docs/security.md.)
+    caller = {None: None, "gateway": "gateway", "node": "node-2"}.get(role, f"a-{role}")
+    answer = await _front_answer(front_layout, caller)
+    if role == "gateway":
+        assert answer == 200, answer
+    else:
+        assert answer in ("refused", 401, 403), f"{caller} was served: {answer}"
