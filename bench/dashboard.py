@@ -45,7 +45,7 @@ from events.contract import subjects  # noqa: E402
 from events.contract.subjects import POSITION_HEADER  # noqa: E402
 from gateway.auth import KeyRing  # noqa: E402
 from gateway.ui import mount  # noqa: E402
-from runtime.env import Msg  # noqa: E402
+from runtime.env import Msg, MsgHandler  # noqa: E402
 from tests.integration.browser import Chromium, chromium_path  # noqa: E402
 
 REGIONS = ("eu-west", "eu-central", "us-east", "us-west", "ap-south", "ap-northeast")
@@ -63,6 +63,7 @@ class SyntheticController:
         self.clusters = self._clusters()
         self.log: list[bytes] = []  # envelopes, JSON, position = index + 1
         self._subscribers: list[asyncio.Queue[Msg | None]] = []
+        self._handlers: list[MsgHandler] = []
         self._node_list = msgspec.json.encode(self._reply(self.nodes))
         self._cluster_list = msgspec.json.encode(self._reply(self.clusters))
         for i in range(len(self.nodes)):  # one heartbeat each, so the log has a head
@@ -180,6 +181,8 @@ class SyntheticController:
         msg = self.append(self._heartbeat(i, tick))
         for queue in self._subscribers:
             queue.put_nowait(msg)
+        for handler in self._handlers:
+            handler(msg)
 
     async def heartbeats(self, rate: float, seconds: float) -> int:
         """Heartbeats round the fleet at `rate` a second for `seconds`, published live."""
@@ -199,10 +202,16 @@ class SyntheticController:
     async def publish(self, subject: str, data: bytes, **kw: Any) -> None:
         raise AssertionError("the dashboard never publishes")
 
-    async def subscribe(self, subject: str, *, queue: str = "") -> Any:
+    async def subscribe(
+        self, subject: str, *, queue: str = "", handler: MsgHandler | None = None
+    ) -> Any:
         inbox: asyncio.Queue[Msg | None] = asyncio.Queue()
-        self._subscribers.append(inbox)
         subscribers = self._subscribers
+        handlers = self._handlers
+        if handler is None:
+            subscribers.append(inbox)
+        else:  # as NatsBus: each message to the handler, and an iteration that only ends
+            handlers.append(handler)
 
         class Subscription:
             async def __aiter__(self) -> AsyncIterator[Msg]:
@@ -210,7 +219,11 @@ class SyntheticController:
                     yield msg
 
             async def unsubscribe(self) -> None:
-                subscribers.remove(inbox)
+                if handler is None:
+                    subscribers.remove(inbox)
+                else:
+                    handlers.remove(handler)
+                    inbox.put_nowait(None)
 
         return Subscription()
 

@@ -27,9 +27,12 @@ its own and works with any controller that answers on NATS.
     GET    /events/stream         Server-Sent Events: the log from `after`, then live
 
 The stream sends `id: <position>`, `event: <type tag>`, `data: <Envelope JSON>` per event, in
-position order, each once; heartbeats only with `heartbeats=1`; `: keep-alive` after `keepalive`
-seconds of silence. `Last-Event-ID` (a reconnect) wins over `after`; with neither it starts at
-the log's head. An error after the response began is one `event: error` frame, then the end.
+position order, each once; heartbeats only with `heartbeats=1`, and then each node's latest at
+most every `heartbeat_interval` seconds (HEARTBEAT_FLUSH_S): a heartbeat that a newer one of its
+node replaced in the meantime is left out, and the held ones go out before any other event, so
+ids only increase; `: keep-alive` after `keepalive` seconds of silence. `Last-Event-ID` (a
+reconnect) wins over `after`; with neither it starts at the log's head. An error after the
+response began is one `event: error` frame, then the end.
 
 Errors are `{"error": {"message": "<one line>", "type": "<kind>", "field": "<where>"}}`, `field`
 only when one input is to blame: a JSON path (`$.replicas`) for a body, the parameter's name
@@ -55,6 +58,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
+import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Final, TypeVar
@@ -77,6 +82,11 @@ log = structlog.get_logger("gpumesh.gateway.control")
 RETRY_AFTER_S: Final = 2
 MAX_EVENTS_LIMIT: Final = 1000  # the controller's bound on events.list `limit`
 STREAM_PAGE: Final = 500  # events per events.list call while a stream catches up
+# A stream with heartbeats=1 sends each node's latest heartbeat at most this often (seconds):
+# a page shows a node's readings, not each heartbeat, and a hundred frames in one write cost
+# the gateway and the page much less than a hundred writes (docs/performance.md, dashboard).
+HEARTBEAT_FLUSH_S: Final = 1.0
+LIVE_HELD_LIMIT: Final = 65_536  # live messages a stream holds untaken before it drops them
 
 _JSON: Final = "application/json"
 # What the controller says when a node is not in the state a verb needs (actors/control_api.py,
@@ -388,6 +398,7 @@ def control_app(
     keepalive: float = 15.0,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
     keys: KeyRing | None = None,
+    heartbeat_interval: float = HEARTBEAT_FLUSH_S,
 ) -> web.Application:
     """The `/api/v1` sub-application. `keys`: who may call which route (ROUTE_NEEDS); None:
     no check here (the caller has made its own). `timeout`: seconds to wait for each
@@ -396,13 +407,16 @@ def control_app(
     `events_poll`: while the live events subject is quiet for this long, a stream asks
     `events.list` whether it missed anything (a live message lost in a reconnect, or no outbox
     running); also the retry delay when the controller does not answer a stream's catch-up.
-    `keepalive`: seconds of silence before a stream sends a `: keep-alive` comment."""
+    `keepalive`: seconds of silence before a stream sends a `: keep-alive` comment.
+    `heartbeat_interval`: a stream with heartbeats sends them at most this often, each node's
+    latest."""
     api = _ControlApi(
         bus,
         timeout=timeout,
         events_poll=events_poll,
         keepalive=keepalive,
         body_timeout=body_timeout,
+        heartbeat_interval=heartbeat_interval,
     )
     app = web.Application(middlewares=[json_errors])
     needs: dict[web.AbstractRoute, Need | None] = {}
@@ -493,12 +507,15 @@ class _ControlApi:
         events_poll: float,
         keepalive: float,
         body_timeout: float,
+        heartbeat_interval: float,
     ) -> None:
         self.bus = bus
         self.timeout = timeout
         self.body_timeout = body_timeout
         self.events_poll = events_poll
         self.keepalive = keepalive
+        self.heartbeat_interval = heartbeat_interval
+        self._takes_handler: bool | None = None
 
     async def _request(self, verb: str, body: bytes) -> bytes:
         try:
@@ -666,21 +683,24 @@ class _ControlApi:
         """Server-Sent Events from `after` (or Last-Event-ID; without either, from the log's
         head: only what is committed from now on), then live, gapless and without duplicates.
 
-        The live subject is subscribed to first and buffers while the log is paged through
+        The live subject is subscribed to first and held while the log is paged through
         `events.list`; live events at or below what was sent are then skipped. A live event
         that is not the next position (one lost in a reconnect, or dropped by a slow
-        subscription) sends the stream back to `events.list` to fill the hole first.
+        subscription) sends the stream back to `events.list` to fill the hole first. With
+        `heartbeats=1`, heartbeats are sent as _EventStream says: each node's latest, at most
+        every `heartbeat_interval` seconds.
         """
         query = events_query(request)
         resume = last_event_id(request)
         after = resume if resume is not None else query.after if "after" in request.query else None
+        live = _Live()
         try:
-            sub = await self.bus.subscribe(subjects.EVENTS_ALL)
+            sub = await self._subscribe_live(live)
         except BusError as exc:
             raise unreachable(exc) from None
         stream: _EventStream | None = None
         try:
-            async with _Live(sub) as live:
+            async with live.reading(sub):
                 # Asked before the response starts, so an absent controller is a plain 503.
                 limit = 1 if after is None else STREAM_PAGE
                 first = await self.events(after or 0, limit, query.heartbeats)
@@ -715,61 +735,146 @@ class _ControlApi:
         assert stream is not None  # _Gone comes only from writes, after the stream began
         return stream.response
 
+    async def _subscribe_live(self, live: _Live) -> Subscription:
+        # Through a handler, a message costs the stream no task wake-up: a heartbeat only joins
+        # the held ones. A Bus that takes no handler (a test double) is iterated instead.
+        if self._takes_handler is None:
+            self._takes_handler = takes_handler(self.bus)
+        if self._takes_handler:
+            return await self.bus.subscribe(subjects.EVENTS_ALL, handler=live.receive)
+        return await self.bus.subscribe(subjects.EVENTS_ALL)
+
+
+def takes_handler(bus: Bus) -> bool:
+    """Whether `bus.subscribe` takes the Bus protocol's `handler` argument."""
+    try:
+        parameters = inspect.signature(bus.subscribe).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "handler" or p.kind is p.VAR_KEYWORD for p in parameters)
+
 
 class _Gone(Exception):
     """The stream's client disconnected."""
 
 
+class _LiveHead(msgspec.Struct, frozen=True):
+    """What the stream reads of a live envelope: where it goes, whether it is a heartbeat, and
+    whose (its `stream`, `heartbeat/<node_id>`); the rest is passed on untouched."""
+
+    position: int
+    type: str
+    stream: str = ""
+
+
+_live_head_decoder = msgspec.json.Decoder(_LiveHead)
+
+# A live message as held for the stream: its position, its head (None: unreadable) and itself.
+_Held = tuple[int, _LiveHead | None, Msg]
+
+
 class _Live:
-    """The live subscription, read one message at a time with a timeout (a timed-out read
-    keeps its pending read for next time, so no message is lost). Owns that one task."""
+    """The live subscription's messages, held until the stream's task takes them in a batch.
 
-    def __init__(self, sub: Subscription) -> None:
-        self._messages: AsyncIterator[Msg] = aiter(sub)
-        self._pending: asyncio.Task[Msg | None] | None = None
+    The bus hands each to `receive` (or, for a bus without handlers, one reader task does).
+    While `lazy`, a heartbeat does not wake the stream's task: it waits in `held` for the
+    task's next flush or check. Anything else wakes it at once, and so does the
+    subscription's end. Past `limit` held messages the rest are dropped, as a slow
+    subscription's are: the stream finds the hole and reads it from the log."""
 
-    async def __aenter__(self) -> _Live:
-        return self
+    def __init__(self, limit: int = LIVE_HELD_LIMIT) -> None:
+        self.limit = limit
+        self.held: list[_Held] = []
+        self.lazy = False
+        self.ended = False
+        self.failure: BaseException | None = None
+        self._signalled = False
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        task, self._pending = self._pending, None
-        if task is not None and task.done() and not task.cancelled():
-            task.exception()  # retrieved: a message read for nobody is simply dropped
-        elif task is not None:
-            task.cancel()
+    def receive(self, msg: Msg) -> None:
+        """The subscription's handler (it must not raise)."""
+        if len(self.held) >= self.limit:
+            self._signal()
+            return
+        try:
+            head: _LiveHead | None = _live_head_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            head = None
+        position = _header_position(msg)
+        if position is None:
+            if head is None:
+                return  # nowhere in the log: nothing to send or skip
+            position = head.position
+        self.held.append((position, head, msg))
+        if head is None or head.type != HEARTBEAT_TYPE or not self.lazy:
+            self._signal()
+
+    def take(self) -> list[_Held]:
+        held, self.held = self.held, []
+        self._signalled = False
+        return held
+
+    async def wait(self, timeout: float) -> None:
+        """Until a message that wakes the stream is held, the subscription ends, or `timeout`
+        seconds pass."""
+        if self._signalled or self.ended:
+            return
+        waiter = self._waiter = self._loop.create_future()
+        timer = self._loop.call_later(max(timeout, 0.0), _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def _signal(self) -> None:
+        self._signalled = True
+        if self._waiter is not None:
+            _resolve(self._waiter)
+
+    @contextlib.asynccontextmanager
+    async def reading(self, sub: Subscription) -> AsyncIterator[_Live]:
+        """Follows `sub`'s end (and, without a handler, its messages) while in the block."""
+        reader = asyncio.create_task(self._read(sub), name="control-stream-live")
+        try:
+            yield self
+        finally:
+            reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await task
+                await reader
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise asyncio.CancelledError()
 
-    async def _next(self) -> Msg | None:
+    async def _read(self, sub: Subscription) -> None:
         try:
-            return await anext(self._messages)
-        except StopAsyncIteration:
-            return None
-
-    async def get(self, timeout: float) -> Msg | _Timeout | None:
-        """The next live message, None once the subscription ended, or TIMEOUT."""
-        if self._pending is None:
-            self._pending = asyncio.create_task(self._next(), name="control-stream-live")
-        done, _ = await asyncio.wait({self._pending}, timeout=max(timeout, 0.0))
-        if not done:
-            return TIMEOUT
-        task, self._pending = self._pending, None
-        return task.result()
+            async for msg in sub:  # with a handler: nothing, until the subscription ends
+                self.receive(msg)
+        except Exception as exc:
+            self.failure = exc
+        self.ended = True
+        self._signal()
 
 
-class _Timeout:
-    pass
-
-
-TIMEOUT: Final = _Timeout()
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class _EventStream:
-    """One SSE response: `cursor` is the last log position accounted for (sent, or skipped as
-    a heartbeat); every event written has a position above it, in increasing order."""
+    """One SSE response: `cursor` is the last log position accounted for (sent, held to be
+    sent, or skipped); every event written has a position above every one written before it.
+
+    Frames are gathered and written together: one write per page of the log, per batch of
+    live messages, per release of heartbeats.
+
+    With heartbeats, each heartbeat stream's (each node's) latest heartbeat is held, and the
+    held ones are sent together, in position order, at most every `heartbeat_interval`
+    seconds (at once if none were sent for that long); a heartbeat replaced by a newer one of
+    its node in the meantime is never sent. Any other event is sent at once, the held
+    heartbeats (all older than it) just before it: so the ids only increase, and a client
+    that resumes from its Last-Event-ID is sent again from the log what was held for it."""
 
     def __init__(
         self, api: _ControlApi, request: web.Request, live: _Live, *, heartbeats: bool
@@ -788,6 +893,11 @@ class _EventStream:
         )
         self._loop = asyncio.get_running_loop()
         self._last_write = self._loop.time()
+        self._out: list[bytes] = []
+        # heartbeat stream (or, lacking one, the position) -> (position, envelope), in
+        # position order: a newer heartbeat of a stream is moved to the end.
+        self._held: dict[str | int, tuple[int, bytes]] = {}
+        self._released_at = -math.inf  # loop time heartbeats were last sent
 
     async def start(self) -> None:
         try:
@@ -797,9 +907,11 @@ class _EventStream:
         await self._write(f"retry: {RETRY_AFTER_S * 1000}\n\n".encode())
 
     async def write_error(self, error: ControlError) -> None:
-        """An `error` event (no id: it is not a log position) before the stream ends."""
+        """An `error` event (no id: it is not a log position) before the stream ends, after
+        the events gathered so far."""
         body = msgspec.json.encode(error.body())
-        await self._write(b"event: error\ndata: %s\n\n" % body)
+        self._out.append(b"event: error\ndata: %s\n\n" % body)
+        await self._write_out()
 
     async def _write(self, chunk: bytes) -> None:
         if self._gone():
@@ -810,27 +922,51 @@ class _EventStream:
             raise _Gone() from None
         self._last_write = self._loop.time()
 
+    async def _write_out(self) -> None:
+        if self._out:
+            chunk = b"".join(self._out)
+            self._out.clear()
+            await self._write(chunk)
+
     def _gone(self) -> bool:
         transport = self.request.transport
         return transport is None or transport.is_closing()
 
-    async def send(self, position: int, type_: str, data: bytes) -> None:
+    def send(self, position: int, type_: str, stream: str, data: bytes) -> None:
+        """Gathers an event to be written (or holds it, a heartbeat), unless already past."""
         if position <= self.cursor:
             return
         self.cursor = position
-        if type_ == HEARTBEAT_TYPE and not self.heartbeats:
+        if type_ == HEARTBEAT_TYPE:
+            if self.heartbeats:
+                key = stream or position
+                self._held.pop(key, None)
+                self._held[key] = (position, data)
             return
-        await self._write(sse_frame(position, type_, data))
+        if self._held:
+            self._release()
+        self._out.append(sse_frame(position, type_, data))
+
+    def _release(self) -> None:
+        self._out.extend(_HEARTBEAT_FRAME % held for held in self._held.values())
+        self._held.clear()
+        self._released_at = self._loop.time()
+
+    def _release_due(self) -> None:
+        if self._held and self._loop.time() - self._released_at >= self.api.heartbeat_interval:
+            self._release()
 
     async def emit_page(self, page: EventsPage) -> None:
         for raw in page.events:
             try:
-                head = _head_decoder.decode(raw)
+                head = _live_head_decoder.decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 error = f"unreadable event in events.list: {exc}"
                 raise ControlError(502, "bad_reply", error) from None
-            await self.send(head.position, head.type, bytes(raw))
+            self.send(head.position, head.type, head.stream, bytes(raw))
         self.cursor = max(self.cursor, page.next)
+        self._release_due()
+        await self._write_out()
 
     async def catch_up(self, target: int | None = None) -> None:
         """Page `events.list` from the cursor until it reaches `target` (default: the head the
@@ -849,31 +985,54 @@ class _EventStream:
         quiet_since = self._loop.time()
         while True:
             await self._tick()
-            got = await self.live.get(self._check)
-            if got is None:
+            # Held heartbeats wait for their release anyway; without heartbeats, one only
+            # moves the cursor, which can wait for the next event or check.
+            self.live.lazy = not self.heartbeats or bool(self._held)
+            await self.live.wait(self._wait_s())
+            batch = self.live.take()
+            if batch:
+                quiet_since = self._loop.time()
+                await self._send_live(batch)
+            if self.live.failure is not None:
+                raise self.live.failure
+            if self.live.ended and not self.live.held:
+                if self._held:
+                    self._release()
+                await self._write_out()
                 log.info("control_stream_live_ended", path=self.request.path)
                 return
-            if isinstance(got, _Timeout):
-                if self._loop.time() - quiet_since >= self.api.events_poll:
-                    # Quiet: ask the log whether a live message went missing (or no outbox).
-                    quiet_since = self._loop.time()
-                    await self._catch_up_or_log()
-                continue
-            quiet_since = self._loop.time()
-            position = live_position(got)
-            if position is None or position <= self.cursor:
+            self._release_due()
+            await self._write_out()
+            if not batch and self._loop.time() - quiet_since >= self.api.events_poll:
+                # Quiet: ask the log whether a live message went missing (or no outbox).
+                quiet_since = self._loop.time()
+                await self._catch_up_or_log()
+
+    async def _send_live(self, batch: list[_Held]) -> None:
+        for position, head, msg in batch:
+            if position <= self.cursor:
                 continue
             if position > self.cursor + 1:
                 # A hole before this event: fill it from the log first, however long the
-                # controller takes to answer (meanwhile live messages wait in the subscription).
+                # controller takes to answer (meanwhile live messages wait in `live`).
                 while not await self._catch_up_or_log(target=position - 1):
                     await self._pause(self.api.events_poll)
-            await self._send_live(got, position)
+            if head is None:
+                log.warning("control_stream_garbage", subject=msg.subject, position=position)
+                self.cursor = max(self.cursor, position)
+                continue
+            self.send(position, head.type, head.stream, msg.data)
 
     @property
     def _check(self) -> float:
         """How often a quiet stream looks at its client and its keep-alive."""
         return min(1.0, self.api.events_poll, self.api.keepalive)
+
+    def _wait_s(self) -> float:
+        if not self._held:
+            return self._check
+        due = self._released_at + self.api.heartbeat_interval - self._loop.time()
+        return min(self._check, due)
 
     async def _tick(self) -> None:
         if self._gone():
@@ -899,22 +1058,20 @@ class _EventStream:
             return False
         return True
 
-    async def _send_live(self, msg: Msg, position: int) -> None:
-        try:
-            head = _head_decoder.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            log.warning("control_stream_garbage", subject=msg.subject, position=position)
-            self.cursor = max(self.cursor, position)
-            return
-        await self.send(position, head.type, msg.data)
 
-
-def live_position(msg: Msg) -> int | None:
-    """A live event's log position: the outbox's header, else the envelope's own field."""
+def _header_position(msg: Msg) -> int | None:
     header = (msg.headers or {}).get(POSITION_HEADER)
     if header is not None:
         with contextlib.suppress(ValueError):
             return int(header)
+    return None
+
+
+def live_position(msg: Msg) -> int | None:
+    """A live event's log position: the outbox's header, else the envelope's own field."""
+    position = _header_position(msg)
+    if position is not None:
+        return position
     try:
         return _head_decoder.decode(msg.data).position
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -925,6 +1082,9 @@ def sse_frame(position: int, type_: str, data: bytes) -> bytes:
     """One SSE event. `data` is compact JSON (no raw newlines); the tag is kept to one line."""
     tag = " ".join(type_.split())
     return b"id: %d\nevent: %s\ndata: %s\n\n" % (position, tag.encode(), data)
+
+
+_HEARTBEAT_FRAME: Final = b"id: %d\nevent: " + HEARTBEAT_TYPE.encode() + b"\ndata: %s\n\n"
 
 
 def _encode(body: object) -> bytes:
