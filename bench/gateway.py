@@ -8,7 +8,7 @@ overlay's agent-side tunnel server, the proxy under test, and the load generator
     python bench/gateway.py [--seconds 10] [--connections 64] [--runs 1] [--json] [--quick]
                             [--only direct,gateway,gateway-log,overlay,aiohttp-proxy,nginx,...]
                             [--peers-venv DIR | --install-peers] [--streams 10000]
-                            [--dashboard N [--dashboard-nodes 100]]
+                            [--dashboard N [--dashboard-nodes 100] [--dashboard-alternate K]]
 
 Rows: direct (one replica, no proxy); gateway (`gpumesh gateway --transport direct
 --no-access-log`, three replicas); gateway-log (the same with its access log on); overlay
@@ -35,6 +35,9 @@ dashboard.py's SyntheticController, served over this stack's NATS) answers the p
 `--dashboard-nodes` nodes and publishes a heartbeat event for each once a second (an agent's
 default interval), which the gateway relays to every page. `--dashboard 0` sets up the same
 (admin key, stand-in controller, heartbeats) and opens no page: the run to compare with.
+`--dashboard-alternate K` (with N >= 1) then adds, in each gateway row's same process, K pairs of
+non-streaming runs with the pages open and closed, in turn: what separate processes and a shared
+machine's drifting load blur between two invocations.
 
 `--streams N` adds the many-streams check: N concurrent long streams (a chunk every 5 s) held
 open through one gateway process, its RSS before, with them open and after; for the direct and
@@ -509,12 +512,13 @@ class Dashboards:
 
     def open(self, base: str, key: str) -> None:
         async def go() -> None:
-            for i in range(self.count):
+            for _ in range(self.count):
                 page = await self.browser.new_page()
                 self.pages.append(page)
                 await page.goto(f"{base}/ui/fleet")
-                if i == 0:  # one session cookie for the browser's every page
-                    await page.wait_for("location.pathname === '/ui/login'")
+                # One session cookie for the browser's every page, until the gateway goes.
+                await page.wait_for(f"location.pathname === '/ui/login' || {self.READY}")
+                if await page.evaluate("location.pathname === '/ui/login'"):
                     await page.fill("#key", key)
                     await page.evaluate("document.querySelector('form.login').submit()")
                     await page.wait_for("location.pathname === '/ui/fleet'")
@@ -832,6 +836,41 @@ def measure(
     result["foreign_cores_before"] = foreign_before
     result["proxy_rss_mb"] = rss_bytes(target.pids) / 2**20 if target.pids else 0.0
     return result
+
+
+def alternate(
+    load: Load,
+    target: Target,
+    upstream_pids: list[int],
+    args: argparse.Namespace,
+    dashboards: Dashboards,
+    key: str,
+) -> list[dict[str, Any]]:
+    """--dashboard-alternate: pairs of non-streaming runs of one gateway process, its pages
+    open for one and closed for the other (which goes first alternates)."""
+    c, s = args.connections, args.seconds
+    pairs: list[dict[str, Any]] = []
+    for i in range(args.dashboard_alternate):
+        pair: dict[str, Any] = {}
+        for state in ("open", "closed") if i % 2 == 0 else ("closed", "open"):
+            if state == "open":
+                dashboards.open(target.base, key)
+                time.sleep(1.0)  # the page's first drawing done, as in a row's idle second
+            r = measure(target, upstream_pids, lambda: load.plain(target, c, s), args)
+            if state == "open":
+                dashboards.close_pages()
+            pair[state] = {
+                "proxy_us": r["proxy_cpu_s"] / max(r["ok"], 1) * 1e6,
+                "rps": r["rps"],
+                "foreign_cores": r["foreign_cores"],
+            }
+        pair["change"] = pair["open"]["proxy_us"] / pair["closed"]["proxy_us"] - 1
+        say(
+            f"  {target.name}: pair {i + 1}: pages closed {pair['closed']['proxy_us']:.1f} µs/req"
+            f", open {pair['open']['proxy_us']:.1f} µs/req ({100 * pair['change']:+.1f}%)"
+        )
+        pairs.append(pair)
+    return pairs
 
 
 def run_target(
@@ -1338,6 +1377,15 @@ def print_report(result: dict[str, Any]) -> None:
                     f"console problems: {r['problems'] or 'none'}"
                 )
             print(line)
+            if r.get("alternated"):
+                closed = statistics.median(p["closed"]["proxy_us"] for p in r["alternated"])
+                opened = statistics.median(p["open"]["proxy_us"] for p in r["alternated"])
+                changes = ", ".join(f"{100 * p['change']:+.1f}%" for p in r["alternated"])
+                print(
+                    f"  {r['target']}, {len(r['alternated'])} alternated pairs in one process: "
+                    f"median {closed:.1f} µs/req closed, {opened:.1f} open "
+                    f"({100 * (opened / closed - 1):+.1f}%); each pair {changes}"
+                )
     print("\n## Targets\n")
     for name, verdict, detail in result["verdicts"]:
         print(f"{verdict:4} {name}: {detail}")
@@ -1402,6 +1450,14 @@ def main() -> int:
         default=100,
         help="for --dashboard: the stand-in fleet's nodes, a heartbeat each a second",
     )
+    parser.add_argument(
+        "--dashboard-alternate",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --dashboard N>=1: K more pairs of non-streaming runs per gateway row, in its "
+        "one process, pages open and closed in turn",
+    )
     parser.add_argument("--serve-fleet", metavar="NATS_URL", help=argparse.SUPPRESS)
     parser.add_argument("--stream-interval", type=float, default=5.0, help="s between chunks")
     parser.add_argument("--stream-hold", type=float, default=20.0, help="s to hold them open")
@@ -1429,6 +1485,8 @@ def main() -> int:
     apply_quick(parser, args, **QUICK)
     if args.dashboard is not None and args.dashboard < 0:
         parser.error("--dashboard: a number of pages, 0 or more")
+    if args.dashboard_alternate and not args.dashboard:
+        parser.error("--dashboard-alternate: needs --dashboard 1 or more (pages to open)")
     if args.install_peers and not args.install_dir:
         args.install_dir = str(Path(tempfile.gettempdir()) / "gpumesh-bench-peers")
     order = [] if args.only == "none" else [t.strip() for t in args.only.split(",") if t.strip()]
@@ -1544,6 +1602,11 @@ def main() -> int:
                         elapsed = time.monotonic() - t0
                         dash["browser_cores"] = (dashboards.cpu_s() - browser0) / elapsed
                         dash.update(dashboards.close_pages())
+                    if with_pages and args.dashboard_alternate:
+                        assert dashboards is not None
+                        dash["alternated"] = alternate(
+                            load, target, upstream_pids, args, dashboards, stack.admin_key
+                        )
                     if args.dashboard is not None and name in GATEWAY_ROWS:
                         dashboard_runs.append(dash)
                 finally:
