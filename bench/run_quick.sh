@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Every bench script in its quick mode (--quick: the same code paths at a tiny size, figures
-# marked and not comparable), one after the other, each under a time limit, so that a benchmark
-# that no longer runs fails CI (.ci/run) the day it breaks instead of months later.
+# marked and not comparable), BENCH_JOBS at a time (default 2: most of a quick run is waiting on
+# processes and timers), each under a time limit, so that a benchmark that no longer runs fails
+# CI (.ci/run) the day it breaks instead of months later. Each run's output is printed whole
+# when it ends.
 #
 #   bench/run_quick.sh                      # with .venv/bin/python
 #   PYTHON=.venv-ci/bin/python bench/run_quick.sh
 #   BENCH_TIMEOUT=300 bench/run_quick.sh    # seconds per script (default 120)
+#   BENCH_JOBS=1 bench/run_quick.sh         # one after the other
 #
 # It runs them all, prints each one's wall time and the total, and exits 1 when any exited
 # non-zero or ran past its limit. tests/test_bench_quick.py fails when a bench/*.py script with
@@ -39,24 +42,57 @@ QUICK=(
     "realmodel.py"
 )
 
-failed=()
-times=()
-start_all=$(date +%s.%N)
-for line in "${QUICK[@]}"; do
+JOBS=${BENCH_JOBS:-2}
+OUT=$(mktemp -d)
+trap 'rm -rf "$OUT"' EXIT
+
+# One run, its output to $OUT/<n>.log, its exit code and wall time to $OUT/<n>.end.
+run_one() {
+    local n=$1 line=$2
+    local -a argv
     read -r -a argv <<<"$line"
-    script=${argv[0]}
-    echo "== bench/$line --quick"
+    local start code took
     start=$(date +%s.%N)
-    timeout --kill-after=15 "$LIMIT" "$PYTHON" "bench/$script" "${argv[@]:1}" --quick
+    timeout --kill-after=15 "$LIMIT" "$PYTHON" "bench/${argv[0]}" "${argv[@]:1}" --quick \
+        >"$OUT/$n.log" 2>&1
     code=$?
     took=$(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-    if [ "$code" -ne 0 ]; then
-        why="exit $code"
-        [ "$code" -eq 124 ] || [ "$code" -eq 137 ] && why="past the ${LIMIT} s limit (exit $code)"
-        failed+=("bench/$line --quick: $why")
+    echo "$code $took" >"$OUT/$n.end"
+}
+
+failed=()
+times=()
+shown=0
+# Print, in QUICK's order, every run that has ended and whose predecessors have been printed.
+show_ended() {
+    while [ "$shown" -lt "${#QUICK[@]}" ] && [ -f "$OUT/$shown.end" ]; do
+        local line=${QUICK[$shown]} code took
+        read -r code took <"$OUT/$shown.end"
+        echo "== bench/$line --quick"
+        cat "$OUT/$shown.log"
+        if [ "$code" -ne 0 ]; then
+            why="exit $code"
+            [ "$code" -eq 124 ] || [ "$code" -eq 137 ] && why="past the ${LIMIT} s limit (exit $code)"
+            failed+=("bench/$line --quick: $why")
+        fi
+        times+=("$(printf '%6s s  bench/%s --quick' "$took" "$line")")
+        shown=$((shown + 1))
+    done
+}
+
+start_all=$(date +%s.%N)
+running=0
+for n in "${!QUICK[@]}"; do
+    if [ "$running" -ge "$JOBS" ]; then
+        wait -n
+        running=$((running - 1))
+        show_ended
     fi
-    times+=("$(printf '%6s s  bench/%s --quick' "$took" "$line")")
+    run_one "$n" "${QUICK[$n]}" &
+    running=$((running + 1))
 done
+wait
+show_ended
 total=$(awk -v a="$start_all" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
 
 echo "== bench quick runs, wall time"

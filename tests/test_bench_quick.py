@@ -65,7 +65,9 @@ def test_every_bench_script_is_in_the_quick_list() -> None:
 def test_the_driver_adds_quick_to_every_run() -> None:
     # The driver adds --quick to every entry: an entry does not repeat it.
     assert all("--quick" not in argv for argv in quick_runs())
-    assert re.search(r'"\$PYTHON" "bench/\$script" .*--quick$', DRIVER.read_text(), re.MULTILINE)
+    assert re.search(
+        r'"\$PYTHON" "bench/\$\{argv\[0\]\}" .*--quick \\$', DRIVER.read_text(), re.MULTILINE
+    )
 
 
 def _declares_quick(path: Path) -> bool:
