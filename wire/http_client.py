@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import re
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, urlsplit
@@ -526,10 +527,28 @@ def _describe(exc: BaseException | None, default: str) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-class HttpClient:
-    """Keep-alive connections per (host, port); a request takes an idle one or opens one."""
+PeerCheck = Callable[[object], str]
+"""The far end's certificate (`getpeercert()`'s dict) -> "" when it is the one wanted, else
+why not (the connection is then dropped: "shows no node certificate")."""
 
-    def __init__(self, *, connect_timeout: float = 2.0, idle_timeout: float = 60.0) -> None:
+
+class HttpClient:
+    """Keep-alive connections per (host, port); a request takes an idle one or opens one.
+
+    With `tls`, each new connection goes through a TLS handshake before its first request
+    (within the connect timeout again), and is kept only if `peer_check` accepts the far end's
+    certificate; the pool keeps it, so TLS costs a handshake per connection."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 2.0,
+        idle_timeout: float = 60.0,
+        tls: ssl.SSLContext | None = None,
+        peer_check: PeerCheck | None = None,
+    ) -> None:
+        self._tls = tls
+        self._peer_check = peer_check
         self._connect_timeout = connect_timeout
         self._idle_timeout = idle_timeout  # an idle pooled connection older than this is closed
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
@@ -582,8 +601,36 @@ class HttpClient:
             raise ConnectError(
                 _describe(exc, "connection failed"), address=f"{host}:{port}"
             ) from exc
+        if self._tls is not None:
+            await self._start_tls(conn, self._tls, host, port, head_deadline)
         self._all.add(conn)
         return conn
+
+    async def _start_tls(
+        self, conn: _Connection, tls: ssl.SSLContext, host: str, port: int, head_deadline: float
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        plain = conn.transport
+        assert plain is not None
+        budget = min(self._connect_timeout, max(0.0, head_deadline - loop.time()))
+        address = f"{host}:{port}"
+        try:
+            async with asyncio.timeout(budget):
+                secured = await loop.start_tls(plain, conn, tls, server_hostname=host)
+        except TimeoutError as exc:
+            plain.abort()
+            raise ConnectError(f"no TLS handshake within {budget:g} s", address=address) from exc
+        except (OSError, ssl.SSLError) as exc:
+            plain.abort()
+            raise ConnectError(f"TLS with {address} failed: {exc}", address=address) from exc
+        if secured is None:
+            plain.abort()
+            raise ConnectError("closed during the TLS handshake", address=address)
+        conn.transport = secured
+        why = self._peer_check(secured.get_extra_info("peercert")) if self._peer_check else ""
+        if why:
+            secured.abort()
+            raise ConnectError(f"{address} {why}", address=address)
 
     def _release(self, conn: _Connection) -> None:
         if self._closed:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from events.contract.messages import RouteEntry
 from events.contract.tunnel import HOP_BY_HOP, NOT_DELIVERED_HEADER
@@ -39,50 +39,19 @@ from .base import (
     UpstreamRequest,
 )
 
-if TYPE_CHECKING:  # the pool's connection: what HttpClient._connect, overridden here, returns
-    from wire.http_client import _Connection
-
 _NOT_DELIVERED = NOT_DELIVERED_HEADER.lower()
 # Where a node's front serves replicas (nodeagent/fencing_front.py PREFIX; the gateway may not
 # import the agent's package).
 _FRONT: Final = "/replica/"
 
 
-class _TlsClient(HttpClient):
-    """The pool, with each new connection taken through a TLS handshake before its first
-    request, and kept only if the far end is a node's front."""
-
-    def __init__(self, context: ssl.SSLContext, *, connect_timeout: float) -> None:
-        super().__init__(connect_timeout=connect_timeout)
-        self._context = context
-        self._handshake_timeout = connect_timeout
-
-    async def _connect(self, host: str, port: int, head_deadline: float) -> _Connection:
-        conn = await super()._connect(host, port, head_deadline)
-        loop = asyncio.get_running_loop()
-        plain = conn.transport
-        assert plain is not None
-        budget = min(self._handshake_timeout, max(0.0, head_deadline - loop.time()))
-        address = f"{host}:{port}"
-        try:
-            async with asyncio.timeout(budget):
-                secured = await loop.start_tls(plain, conn, self._context, server_hostname=host)
-        except TimeoutError as exc:
-            plain.abort()
-            raise ConnectError(f"no TLS handshake within {budget:g} s", address=address) from exc
-        except (OSError, ssl.SSLError) as exc:
-            plain.abort()
-            raise ConnectError(f"TLS with the node's front failed: {exc}", address=address) from exc
-        if secured is None:
-            plain.abort()
-            raise ConnectError("the front closed during the TLS handshake", address=address)
-        conn.transport = secured
-        found = tls_identity(secured.get_extra_info("peercert"))
-        if found is None or found[0] != "node":
-            secured.abort()
-            who = f"a {found[0]}'s" if found else "no gpumesh"
-            raise ConnectError(f"{address} shows {who} certificate, not a node's", address=address)
-        return conn
+def node_front(cert: object) -> str:
+    """The pool's peer check for fronts: "" for a node's certificate of the stack's CA."""
+    found = tls_identity(cert)
+    if found is not None and found[0] == "node":
+        return ""
+    who = f"a {found[0]}'s" if found else "no gpumesh"
+    return f"shows {who} certificate, not a node's"
 
 
 class DirectResponse:
@@ -171,7 +140,9 @@ class DirectTransport:
     def secure(self, tls: ssl.SSLContext) -> None:
         """Dial nodes' fronts over mutual TLS with `tls` (a client context holding this
         gateway's certificate); before the first request."""
-        self._fronts = _TlsClient(tls, connect_timeout=self._connect_timeout)
+        self._fronts = HttpClient(
+            connect_timeout=self._connect_timeout, tls=tls, peer_check=node_front
+        )
 
     @property
     def tls(self) -> bool:
