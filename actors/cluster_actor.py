@@ -23,7 +23,7 @@ spec of the last revision that rolled out becomes the next revision, and its rea
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -42,6 +42,7 @@ from events import (
     ClusterUnschedulable,
     DomainEvent,
     RolloutPolicy,
+    StagePlacement,
     stream_name,
 )
 from projections.views import NodeView, ReplicaView
@@ -54,6 +55,7 @@ from .errors import ControllerError
 from .live_state import LiveState
 from .replica_actor import ACTIVE, Fail, Place, ReplicaMsg, Stop
 from .scheduler import RELEASED, NoFit, Placement, schedule
+from .sharding import place_group
 
 
 class ClusterError(ControllerError, ValueError):
@@ -188,6 +190,11 @@ def _good(node: NodeView | None) -> bool:
 
 def _lost(node: NodeView | None) -> bool:
     return node is None or node.health in ("offline", "unhealthy")
+
+
+def _good_everywhere(nodes: Mapping[str, NodeView], replica: ReplicaView) -> bool:
+    """Whether every node the replica runs on is good (a pipeline's, each stage's)."""
+    return all(_good(nodes.get(node_id)) for node_id in replica.node_ids)
 
 
 def template(spec: ClusterSpec) -> ClusterSpec:
@@ -508,12 +515,16 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         nodes = self.fleet.live.state.nodes.nodes
         actions = last = 0
         for r in mine:
-            node = nodes.get(r.node_id)
-            if r.status in ACTIVE and _lost(node):
+            lost = [n for n in r.node_ids if _lost(nodes.get(n))]
+            if r.status in ACTIVE and lost:
+                # Any stage's node lost is the whole pipeline's: it cannot serve without it.
+                node_id = lost[0]
+                node = nodes.get(node_id)
                 unhealthy = node is not None and node.health == "unhealthy"
+                stage = "" if node_id == r.node_id else " (a pipeline stage's)"
                 fail = Fail(
                     "node_unhealthy" if unhealthy else "node_offline",
-                    f"node {r.node_id} is {node.health if node else 'removed'}",
+                    f"node {node_id}{stage} is {node.health if node else 'removed'}",
                     stop_on_node=unhealthy,
                 )
                 last = max(last, await self._tell(r, fail, spec))
@@ -528,7 +539,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         how many were placed, and `mine` as it is afterwards (new replicas last)."""
         fleet = self.fleet.live.state
         nodes = fleet.nodes.nodes
-        serving = [r for r in mine if r.status in ACTIVE and _good(nodes.get(r.node_id))]
+        serving = [r for r in mine if r.status in ACTIVE and _good_everywhere(nodes, r)]
         missing = spec.replicas - len(serving)
         if missing <= 0:
             return 0, mine
@@ -589,7 +600,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
     ) -> tuple[int, list[ReplicaView]]:
         """Replace outdated replicas in service, one `plan_rollout` step."""
         nodes = self.fleet.live.state.nodes.nodes
-        serving = [r for r in mine if r.status in ACTIVE and _good(nodes.get(r.node_id))]
+        serving = [r for r in mine if r.status in ACTIVE and _good_everywhere(nodes, r)]
         slots = [RolloutSlot(r.replica_id, self._current(r), r.status == "ready") for r in serving]
         step = plan_rollout(spec.replicas, spec.rollout, slots)
         if step == RolloutStep():
@@ -634,7 +645,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         active = [r for r in mine if r.status in ACTIVE]
         if not all(self._current(r) for r in active):
             return False
-        ready = [r for r in active if r.status == "ready" and _good(nodes.get(r.node_id))]
+        ready = [r for r in active if r.status == "ready" and _good_everywhere(nodes, r)]
         return len(ready) >= spec.replicas
 
     def _rolled_out_now(self) -> list[DomainEvent]:
@@ -669,15 +680,16 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         ready; then extras on good nodes stop, not-ready and newest first."""
         nodes = self.fleet.live.state.nodes.nodes
         actions = last = 0
-        good_ready = [r for r in mine if r.status == "ready" and _good(nodes.get(r.node_id))]
+        good_ready = [r for r in mine if r.status == "ready" and _good_everywhere(nodes, r)]
         if len(good_ready) >= spec.replicas:
             for r in mine:
-                node = nodes.get(r.node_id)
-                if r.status in ACTIVE and not _good(node) and not _lost(node):
+                bad = [nodes.get(n) for n in r.node_ids if not _good(nodes.get(n))]
+                node = bad[0] if bad else None
+                if r.status in ACTIVE and bad and not any(_lost(n) for n in bad):
                     why = "node drained" if node and node.drained else "node degraded"
                     last = max(last, await self._tell(r, Stop(why), spec))
                     actions += 1
-        serving = [r for r in mine if r.status in ACTIVE and _good(nodes.get(r.node_id))]
+        serving = [r for r in mine if r.status in ACTIVE and _good_everywhere(nodes, r)]
         # While outdated replicas serve, the rollout's plan decides what leaves: its surge
         # replicas are not extras.
         rolling = not all(self._current(r) for r in serving)
@@ -715,8 +727,14 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
             # would be different with them (none fits, or one stacks replicas) waits for them.
             waiting = len(nodes) < len(fleet.nodes.nodes)
             now_ns = ctx.env.clock.wall_ns()  # a cordon holds until this passes its end
-            decision = schedule(nodes, spec, everyone, rng, avoid=avoid, now_ns=now_ns)
-            if isinstance(decision, NoFit) and avoid:
+            stages: tuple[StagePlacement, ...] = ()
+            if spec.sharding is not None:
+                # The model's memory decides the GPUs: a node's, or a pipeline over several,
+                # placed in one event or not at all (docs/sharding.md).
+                decision, stages = place_group(spec, nodes, everyone, now_ns=now_ns)
+            else:
+                decision = schedule(nodes, spec, everyone, rng, avoid=avoid, now_ns=now_ns)
+            if isinstance(decision, NoFit) and avoid and spec.sharding is None:
                 # The node the slot failed on is the only fit: better there than nowhere.
                 decision = schedule(nodes, spec, everyone, rng, now_ns=now_ns)
             if waiting and (isinstance(decision, NoFit) or _stacks(decision, spec, everyone)):
@@ -737,6 +755,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                     why=decision.why,
                     candidates=decision.candidates,
                     revision=self.state.revision,
+                    stages=stages,
                 ),
                 timeout=30.0,
                 expect=list,

@@ -160,9 +160,15 @@ class Controller:
     async def replica(self, replica_id: str, spec: ClusterSpec | None) -> ActorRef[ReplicaMsg]:
         return await self._get_or_spawn(
             f"replica:{replica_id}",
-            lambda: ReplicaActor(replica_id, self.commands, spec, secrets=self.secrets),
+            lambda: ReplicaActor(
+                replica_id, self.commands, spec, secrets=self.secrets, node_host=self._node_host
+            ),
             {"replica": replica_id},
         )
+
+    def _node_host(self, node_id: str) -> str:
+        node = self.live.state.nodes.nodes.get(node_id)
+        return node.address if node is not None else ""
 
     async def node(self, node_id: str) -> ActorRef[NodeMsg]:
         ref = await self._get_or_spawn(
@@ -464,7 +470,8 @@ class Controller:
             for view in self.live.state.replicas.replicas.values():
                 if view.status in ("placed", "starting", "ready"):
                     lease = ReplicaLease(replica_id=view.replica_id, epoch=view.epoch)
-                    index.setdefault(view.node_id, []).append(lease)
+                    for node_id in view.node_ids:  # a pipeline's every stage
+                        index.setdefault(node_id, []).append(lease)
             self._lease_index = {node: tuple(leases) for node, leases in index.items()}
             self._leases_at = now
         return self._lease_index
@@ -524,11 +531,17 @@ class Controller:
         state = self.live.state
         for replica_id, view in sorted(state.replicas.replicas.items()):
             if (
-                view.node_id != reg.node_id
-                or view.status not in ("starting", "ready")
+                view.status not in ("placed", "starting", "ready")
+                or reg.node_id not in view.node_ids
                 or (replica_id, view.epoch) in running
             ):
                 continue
+            if reg.node_id == view.node_id and view.status == "placed":
+                continue  # its head is not started yet (it waits for the workers)
+            if reg.node_id != view.node_id and view.stage_addresses.keys().isdisjoint(
+                s.rank for s in view.stages if s.node_id == reg.node_id
+            ):
+                continue  # a worker stage not reported up yet: its start may still be queued
             cluster = state.clusters.clusters.get(view.cluster)
             ref = await self.replica(replica_id, cluster.spec if cluster else None)
             await ref.ask(

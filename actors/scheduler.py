@@ -332,7 +332,13 @@ RULES = (
 def _taken(placements: Iterable[ReplicaView]) -> dict[str, set[int]]:
     taken: dict[str, set[int]] = {}
     for p in placements:
-        if p.status not in RELEASED:
+        if p.status in RELEASED:
+            continue
+        if p.stages:
+            # A sharded replica holds every stage's GPUs, on every node of its pipeline.
+            for stage in p.stages:
+                taken.setdefault(stage.node_id, set()).update(stage.gpu_indices)
+        else:
             taken.setdefault(p.node_id, set()).update(p.gpu_indices)
     return taken
 

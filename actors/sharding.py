@@ -40,12 +40,21 @@ from dataclasses import dataclass
 
 import msgspec
 
-from events import ClusterSpec, GpuRequirement, ShardingSpec
+from events import Candidate, ClusterSpec, GpuRequirement, ShardingSpec, StagePlacement
 from projections.views import NodeView, ReplicaView
 
 # The scheduler's filters and its view of taken GPUs, reused so that a plan and a placement
 # refuse the same nodes for the same reasons.
-from .scheduler import _filter, _Need, _Reject, _taken, _unique_by_index, accepts
+from .scheduler import (
+    NoFit,
+    Placement,
+    _filter,
+    _Need,
+    _Reject,
+    _taken,
+    _unique_by_index,
+    accepts,
+)
 
 __all__ = [
     "BANDWIDTH_GBS",
@@ -60,6 +69,7 @@ __all__ = [
     "Stage",
     "bandwidth_gbs",
     "kv_cache_bytes",
+    "place_group",
     "plan",
     "weights_bytes",
 ]
@@ -153,6 +163,41 @@ class NoPlan(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     rejected: tuple[Rejected, ...] = ()
     rejected_total: int = 0
+
+
+def place_group(
+    spec: ClusterSpec,
+    nodes: Sequence[NodeView],
+    placements: Sequence[ReplicaView],
+    *,
+    now_ns: int = 0,
+) -> tuple[Placement | NoFit, tuple[StagePlacement, ...]]:
+    """A placement of one replica of a `[sharding]` spec by its plan: the head's node and GPUs
+    (a one-node plan's only ones) and, for a pipeline, every stage in rank order; or NoFit with
+    the plan's reason. The alternatives the plan rejected are the placement's candidates."""
+    found = plan(spec, nodes, placements, now_ns=now_ns)
+    candidates = tuple(
+        Candidate(node_id="+".join(r.nodes) or "-", rejected=r.reason) for r in found.rejected
+    )
+    if isinstance(found, NoPlan):
+        return NoFit(reason=found.reason, candidates=candidates), ()
+    head = found.stages[0]
+    placement = Placement(
+        node_id=head.node_id, gpu_indices=head.gpu_indices, why=found.why, candidates=candidates
+    )
+    if len(found.stages) == 1:
+        return placement, ()
+    stages = tuple(
+        StagePlacement(
+            rank=rank,
+            node_id=st.node_id,
+            gpu_indices=st.gpu_indices,
+            first_layer=st.first_layer,
+            last_layer=st.last_layer,
+        )
+        for rank, st in enumerate(found.stages)
+    )
+    return placement, stages
 
 
 def weights_bytes(s: ShardingSpec) -> int:

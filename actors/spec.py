@@ -78,7 +78,7 @@ def validate(spec: ClusterSpec) -> None:
     _validate_regions(spec.regions)
     _validate_secret_env(spec)
     if spec.sharding is not None:
-        _validate_sharding(spec.sharding)
+        validate_sharding(spec.sharding)
     _validate_probes(spec.probes)
     _validate_docker(spec.docker)
     if spec.model_files and (
@@ -158,9 +158,11 @@ def _validate_probes(p: ProbeSpec) -> None:
             raise SpecError(f"probes.{name}: must be a finite number > 0, got {value}")
     if p.liveness_failures is not None and p.liveness_failures < 1:
         raise SpecError(f"probes.liveness_failures: must be at least 1, got {p.liveness_failures}")
+    if p.kind is not None and p.kind not in PROBE_KINDS:
+        raise SpecError(f"probes.kind: {p.kind!r} is not one of {', '.join(PROBE_KINDS)}")
 
 
-def _validate_sharding(s: ShardingSpec) -> None:
+def validate_sharding(s: ShardingSpec) -> None:
     """The `[sharding]` section: one line naming the field, as for the rest of the spec."""
     for name in ("weights_gib", "params_b", "kv_cache_gib", "max_token_latency_ms"):
         value = getattr(s, name)
@@ -208,7 +210,13 @@ def _validate_sharding(s: ShardingSpec) -> None:
         seen.append(way)
     if "pipeline" in s.parallelism and s.layers == 0:
         raise SpecError("sharding.layers: required when parallelism allows pipeline")
+    if s.worker_probe not in PROBE_KINDS:
+        raise SpecError(
+            f"sharding.worker_probe: {s.worker_probe!r} is not one of {', '.join(PROBE_KINDS)}"
+        )
 
+
+PROBE_KINDS = ("http", "tcp", "none")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 

@@ -67,10 +67,12 @@ from .replica import (
     ReplicaFailed as ReplicaFailed,
     ReplicaPlaced as ReplicaPlaced,
     ReplicaReady as ReplicaReady,
+    ReplicaStageReady as ReplicaStageReady,
     ReplicaStarting as ReplicaStarting,
     ReplicaStopped as ReplicaStopped,
     ReplicaStopping as ReplicaStopping,
     ReplicaSuspected as ReplicaSuspected,
+    StagePlacement as StagePlacement,
 )
 from .store import (
     ANY as ANY,

@@ -33,6 +33,7 @@ from .replica import (
     ReplicaFailed,
     ReplicaPlaced,
     ReplicaReady,
+    ReplicaStageReady,
     ReplicaStarting,
     ReplicaStopped,
     ReplicaStopping,
@@ -67,6 +68,7 @@ ReplicaEvent: TypeAlias = (
     | ReplicaStopping
     | ReplicaStopped
     | ReplicaSuspected
+    | ReplicaStageReady
 )
 ControllerEvent: TypeAlias = ControllerGrace | LeaderTermBegan
 DomainEvent: TypeAlias = NodeEvent | ClusterEvent | ReplicaEvent | ControllerEvent
@@ -95,6 +97,7 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     ReplicaStopping,
     ReplicaStopped,
     ReplicaSuspected,
+    ReplicaStageReady,
     ControllerGrace,
     LeaderTermBegan,
 )

@@ -38,6 +38,13 @@ class ShardingSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     hidden_size: int = 0  # activation width crossing a pipeline boundary; 0: 8192
     link_gbps: float = 1.0  # assumed link bandwidth between nodes, Gbit/s
     link_rtt_ms: float = 1.0  # assumed round trip between nodes
+    # How the workers (ranks >= 1) of a pipeline run: their command ("" runs the spec's own,
+    # with the stage placeholders of docs/sharding.md) and how the agent knows one is up:
+    # "tcp" (its {port} accepts connections: llama.cpp's ggml-rpc-server), "http" (the spec's
+    # readiness path answers 200) or "none" (running for a second). The head (rank 0) runs the
+    # spec's command and serves the API.
+    worker_command: str = ""
+    worker_probe: str = "tcp"
 
 
 class ProbeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -53,6 +60,10 @@ class ProbeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     liveness_interval_s: float | None = None  # between liveness probes once ready
     liveness_failures: int | None = None  # failed probes in a row that end the workload
     liveness_timeout_s: float | None = None  # per liveness probe
+    # "http" (None: the default), "tcp" (the port accepts a connection) or "none" (running for
+    # a second is ready; liveness is the process staying up). Added with pipeline stages: set by
+    # the agent for a worker stage from `sharding.worker_probe`.
+    kind: str | None = None
 
 
 class DockerOptions(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

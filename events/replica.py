@@ -30,6 +30,17 @@ class Candidate(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     rejected: str = ""
 
 
+class StagePlacement(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One pipeline stage of a sharded replica (docs/sharding.md): a node's GPUs and the
+    layers they hold. Rank 0 is the head, which serves the API; the others are workers."""
+
+    rank: int
+    node_id: str
+    gpu_indices: tuple[int, ...] = ()
+    first_layer: int = 0
+    last_layer: int = 0  # exclusive: the stage holds layers [first_layer, last_layer)
+
+
 class ReplicaPlaced(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.placed.v1"
 ):
@@ -43,6 +54,11 @@ class ReplicaPlaced(
     # The cluster's spec revision this placement runs (ClusterSpecChanged.revision). Added
     # after v1 was written: 0 in older rows, which predate revisions (so revision 1).
     revision: int = 0
+    # A sharded replica's pipeline stages, rank order, the head (rank 0) first and equal to
+    # node_id and gpu_indices above; empty for a replica on one node. Added after v1: older
+    # rows decode with none. All stages are placed in this one event: a group is placed whole
+    # or not at all, and never holds GPUs for a part of itself.
+    stages: tuple[StagePlacement, ...] = ()
 
 
 class ReplicaStarting(
@@ -51,6 +67,20 @@ class ReplicaStarting(
     replica_id: str
     epoch: int
     port: int = 0
+
+
+class ReplicaStageReady(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="replica.stage_ready.v1"
+):
+    """A worker stage (rank >= 1) of a sharded replica is up at `address` (host:port, what the
+    head connects to). The head is started once every worker is; the replica is ready when
+    the head is (ReplicaReady), never before."""
+
+    replica_id: str
+    epoch: int
+    rank: int
+    node_id: str
+    address: str
 
 
 class ReplicaReady(

@@ -47,6 +47,7 @@ from .gpu.probe import FaultInjectable, GpuProbe, ProbeError
 from .metrics import AgentCounters
 from .model_cache import CACHE_SCAN_S, cached_models
 from .replica import ReplicaRunner, http_address
+from .stage import stage_spec
 from .tunnel import TunnelServer
 from .workload.base import WorkloadDriver, WorkloadStartError
 
@@ -688,7 +689,12 @@ class Agent:
             return
         assert self._group is not None
         advertise = ""
-        if self._front_base:
+        worker = command.stage is not None and command.stage.rank > 0
+        if command.stage is not None:
+            # One stage of a pipeline: its own command, probe and placeholders.
+            command = msgspec.structs.replace(command, spec=stage_spec(command.spec, command.stage))
+        if self._front_base and not worker:
+            # A worker's engine speaks to the head only, over its own protocol: not fronted.
             advertise = self._front_base + front_path(command.replica_id, command.epoch)
         runner = ReplicaRunner(
             command,
@@ -699,12 +705,18 @@ class Agent:
             advertise=advertise,
             leased=self.wait_for_lease,
             prepare=partial(self._with_secrets, command) if command.spec.secret_env else None,
+            worker=worker,
         )
         self._runners[key] = runner
         self._tasks[key] = self._group.create_task(
             runner.run(), name=f"replica {command.replica_id}@{command.epoch}"
         )
-        log.info("replica_start", gpus=command.gpu_indices, cluster=command.spec.name)
+        log.info(
+            "replica_start",
+            gpus=command.gpu_indices,
+            cluster=command.spec.name,
+            stage=command.stage.rank if command.stage is not None else None,
+        )
         await runner.launched.wait()
 
     def _with_secrets(self, command: StartReplica) -> ClusterSpec:

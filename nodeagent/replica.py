@@ -18,6 +18,7 @@ from runtime.env import Env
 from runtime.supervision import CrashWindow
 
 from .config import AgentConfig
+from .stage import worker_address
 from .workload.base import RunningWorkload, WorkloadDriver, WorkloadEnded, WorkloadStartError
 
 Publish = Callable[[ReplicaState], Awaitable[None]]
@@ -40,13 +41,17 @@ class ReplicaRunner:
         advertise: str = "",
         leased: LeaseWait = _no_lease_needed,
         prepare: Callable[[], ClusterSpec] | None = None,
+        worker: bool = False,
     ) -> None:
         """`advertise`: the address to report instead of the workload's own (the node's
         front, which fences it). `leased`: returns once the node's lease covers this replica
         (or gives up waiting), so it is not reported ready while its node would refuse it.
         `prepare`: what the driver runs, made before each launch when not the command's
         spec (its secrets resolved, on this node only); a WorkloadStartError from it is a
-        failed start, restarted with back-off like any other (a secret file may appear)."""
+        failed start, restarted with back-off like any other (a secret file may appear).
+        `worker`: a pipeline's worker stage, whose address is host:port for the head's
+        engine, not a URL."""
+        self._worker = worker
         self._prepare = prepare
         self.key = (command.replica_id, command.epoch)
         self._advertise = advertise
@@ -162,9 +167,7 @@ class ReplicaRunner:
             epoch=self._command.epoch,
             state=state,
             port=self._port,
-            address=(self._advertise or http_address(self._config.address, self._port))
-            if self._port
-            else "",
+            address=self._address() if self._port else "",
             detail=detail,
             exit_code=exit_code,
         )
@@ -172,6 +175,11 @@ class ReplicaRunner:
             return  # nothing new to report (a relaunch after the crash was already reported)
         self._log.info("replica_state", state=state, port=self._port, detail=detail)
         await self._publish(self.state)
+
+    def _address(self) -> str:
+        if self._worker:
+            return worker_address(self._config.address, self._port)
+        return self._advertise or http_address(self._config.address, self._port)
 
 
 def http_address(host: str, port: int) -> str:

@@ -11,6 +11,7 @@ from events import (
     ReplicaFailed,
     ReplicaPlaced,
     ReplicaReady,
+    ReplicaStageReady,
     ReplicaStarting,
     ReplicaStopped,
     ReplicaStopping,
@@ -41,7 +42,14 @@ def apply(state: Replicas, envelope: Envelope) -> Replicas:
                 version=envelope.version,
                 revision=payload.revision,
                 crashes=current.crashes if same and current is not None else 0,
+                stages=payload.stages,
             )
+        return state
+    if isinstance(payload, ReplicaStageReady):
+        view = state.replicas.get(payload.replica_id)
+        if view is not None and payload.epoch == view.epoch:
+            view.version = envelope.version
+            view.stage_addresses = {**view.stage_addresses, payload.rank: payload.address}
         return state
     if not isinstance(
         payload, ReplicaStarting | ReplicaReady | ReplicaFailed | ReplicaStopping | ReplicaStopped

@@ -6,7 +6,7 @@ from typing import Literal
 
 import msgspec
 
-from events import ClusterSpec, GpuInfo, GpuMetrics
+from events import ClusterSpec, GpuInfo, GpuMetrics, StagePlacement
 from events.contract.messages import RouteEntry
 from events.node import HealthState
 
@@ -74,6 +74,24 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     # Failures of the workload at this revision (readiness, exits, crashes in place), over
     # this slot's placements at it: what an automatic rollback counts.
     crashes: int = 0
+    # A sharded replica's pipeline stages (rank 0, the head, is node_id and gpu_indices), and
+    # the workers' addresses once each is up (rank -> host:port). Empty for one node.
+    stages: tuple[StagePlacement, ...] = ()
+    stage_addresses: dict[int, str] = {}
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        """Every node this replica runs on: its own, then its worker stages' in rank order.
+        A sharded replica is lost when any of them is."""
+        if not self.stages:
+            return (self.node_id,)
+        return tuple(stage.node_id for stage in self.stages)
+
+    def holds(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(node, GPU indices) for each node whose GPUs it holds while it is live."""
+        if not self.stages:
+            return ((self.node_id, self.gpu_indices),)
+        return tuple((stage.node_id, stage.gpu_indices) for stage in self.stages)
 
 
 class NodeRegistry(msgspec.Struct, kw_only=True):

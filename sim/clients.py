@@ -31,6 +31,7 @@ def cluster_spec(plan: ClusterPlan, command: str) -> ClusterSpec:
             models=(plan.gpu_model,) if plan.gpu_model else (), count=plan.gpu_count
         ),
         autoscale=plan.autoscale,
+        sharding=plan.sharding,
     )
 
 

@@ -48,8 +48,8 @@ from typing import Any, Literal, get_args
 
 import msgspec
 
-from actors.spec import SpecError, validate_autoscale
-from events import AutoscaleSpec
+from actors.spec import SpecError, validate_autoscale, validate_sharding
+from events import AutoscaleSpec, ShardingSpec
 
 FaultKind = Literal[
     "power_loss",  # the agent and its workloads vanish; back after duration_s (if given)
@@ -106,6 +106,7 @@ class ClusterPlan:
     gpu_count: int = 1
     at_s: float = 0.0  # when it is created (a deploy in the middle of the run)
     autoscale: AutoscaleSpec | None = None
+    sharding: ShardingSpec | None = None  # the spec's [sharding]: a model placed by its memory
 
 
 TrafficKind = Literal["steady", "ramp", "spike", "diurnal"]
@@ -207,7 +208,8 @@ def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scen
     clusters = []
     for i, c in enumerate(_tables(raw, "clusters")):
         where = f"clusters[{i}]."
-        _only(c, where, {"name", "replicas", "gpu_model", "gpu_count", "at_s", "autoscale"})
+        _only(c, where, {"name", "replicas", "gpu_model", "gpu_count", "at_s", "autoscale",
+                         "sharding"})  # fmt: skip
         name = _str(c, where + "name", "name", "")
         if not name:
             raise ScenarioError(f"{where}name: required")
@@ -219,6 +221,7 @@ def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scen
                 gpu_count=_int(c, where + "gpu_count", "gpu_count", 1, low=1, high=16),
                 at_s=_float(c, where + "at_s", "at_s", 0.0, low=0.0),
                 autoscale=_autoscale(c, where),
+                sharding=_sharding(c, where),
             )
         )
     names = [c.name for c in clusters]
@@ -257,6 +260,22 @@ def from_mapping(raw: dict[str, Any], *, default_name: str = "scenario") -> Scen
         buggify=_bool(raw, "buggify", False),
         controllers=_int(raw, "controllers", "controllers", 1, low=1, high=5),
     )
+
+
+def _sharding(raw: dict[str, Any], where: str) -> ShardingSpec | None:
+    """A cluster's `[clusters.sharding]` table: the spec's `[sharding]` section, checked by
+    the spec's own rules (docs/sharding.md)."""
+    if "sharding" not in raw:
+        return None
+    table = _table(raw, "sharding")
+    if isinstance(table.get("parallelism"), list):
+        table = {**table, "parallelism": tuple(table["parallelism"])}
+    try:
+        sharding = msgspec.convert(table, ShardingSpec)
+        validate_sharding(sharding)
+    except (msgspec.ValidationError, SpecError) as exc:
+        raise ScenarioError(f"{where}sharding: {exc}") from None
+    return sharding
 
 
 def _autoscale(raw: dict[str, Any], where: str) -> AutoscaleSpec | None:

@@ -134,6 +134,22 @@ class SealedSecrets(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     ciphertext: str  # base64 of the ChaCha20-Poly1305 ciphertext, its 16-byte tag at the end
 
 
+class StageLaunch(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What one stage of a sharded replica needs to join its pipeline (docs/sharding.md): the
+    agent fills the command's stage placeholders and GPUMESH_* variables from it. Workers
+    (rank >= 1) are started first; the head (rank 0) once every worker is up, with their
+    addresses in `peers`."""
+
+    rank: int
+    world_size: int
+    first_layer: int
+    last_layer: int  # exclusive
+    total_layers: int
+    split: tuple[int, ...] = ()  # layers per stage, rank order
+    head_host: str = ""  # the head node's address (a rendezvous for engines that need one)
+    peers: tuple[str, ...] = ()  # the head's: each worker's host:port, rank order
+
+
 class StartReplica(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cmd.start.v1"
 ):
@@ -149,6 +165,10 @@ class StartReplica(
     # The values of the spec's `secret:` references, sealed to this node's key; absent when
     # the spec has none (its `file:` references the agent reads itself).
     secrets: SealedSecrets | None = None
+    # One stage of a sharded replica (None: the whole replica runs here). Added after v1: an
+    # agent older than it would ignore the field and run the spec's own command, so a fleet
+    # that serves sharded clusters runs agents of this release or later (docs/sharding.md).
+    stage: StageLaunch | None = None
 
 
 class StopReplica(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="cmd.stop.v1"):

@@ -30,7 +30,7 @@ from .base import (
     render_args,
 )
 from .ports import free_port
-from .probing import ProbeSettings, exit_within, probe_paths, wait_ready, watch
+from .probing import ProbeSettings, exit_within, probe_urls, wait_ready, watch
 
 _log = structlog.get_logger("gpumesh.nodeagent.docker")
 
@@ -330,14 +330,13 @@ class DockerDriver:
         log_path = self.log_dir / f"{replica_id}-{epoch}.log"
         logs = await _follow_logs(self.docker, container, log_path)
         _log.info("container_started", replica=replica_id, epoch=epoch, container=container[:12])
-        ready_path, live_path = probe_paths(spec)
-        base = f"http://{self.host}:{host_port}"
+        ready_url, live_url = probe_urls(spec, self.host, host_port)
         return DockerWorkload(
             self.docker,
             container,
             port=host_port,
-            url=base + ready_path,
-            liveness_url=base + live_path,
+            url=ready_url,
+            liveness_url=live_url,
             probes=self.probes.for_spec(spec),
             waiter=waiter,
             logs=logs,

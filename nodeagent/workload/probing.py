@@ -1,8 +1,10 @@
-"""HTTP readiness and liveness probes, shared by the process and docker drivers."""
+"""Readiness and liveness probes (HTTP, or a TCP connect for a stage that speaks no HTTP),
+shared by the process and docker drivers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -75,8 +77,32 @@ async def _session(timeout_s: float) -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
+def probe_urls(spec: ClusterSpec, host: str, port: int) -> tuple[str, str]:
+    """(readiness URL, liveness URL) for a workload on `host:port`, by the spec's probe kind:
+    `http://...` with its paths, `tcp://host:port` (the port accepts a connection: an RPC
+    server that speaks no HTTP), or `none:` (running is enough)."""
+    kind = spec.probes.kind or "http"
+    if kind == "tcp":
+        url = f"tcp://{host}:{port}"
+        return url, url
+    if kind == "none":
+        return NONE_URL, NONE_URL
+    base = f"http://{host}:{port}"
+    ready_path, live_path = probe_paths(spec)
+    return base + ready_path, base + live_path
+
+
+NONE_URL = "none:"
+NONE_SETTLE_S = 1.0  # a workload probed by nothing is ready once it has run this long
+
+
 async def check(session: aiohttp.ClientSession, url: str, timeout_s: float) -> str:
-    """'' when GET `url` answers 200, else a short reason."""
+    """'' when GET `url` answers 200 (for `tcp://`, when the port accepts a connection; for
+    `none:`, always), else a short reason."""
+    if url.startswith("tcp://"):
+        return await _check_tcp(url, timeout_s)
+    if url == NONE_URL:
+        return ""
     try:
         async with session.get(url, allow_redirects=False) as response:
             return "" if response.status == 200 else f"HTTP {response.status}"
@@ -86,6 +112,21 @@ async def check(session: aiohttp.ClientSession, url: str, timeout_s: float) -> s
         return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
     except (aiohttp.ClientError, OSError) as exc:
         return f"{type(exc).__name__}: {exc}"[:160]
+
+
+async def _check_tcp(url: str, timeout_s: float) -> str:
+    host, _, port = url.removeprefix("tcp://").rpartition(":")
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    except TimeoutError:
+        return f"no connection within {timeout_s:g} s"
+    except OSError as exc:
+        return f"cannot connect ({exc.strerror or exc})"
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return ""
 
 
 async def exit_within(wait_exit: ExitWaiter, seconds: float) -> int | None:
@@ -102,6 +143,9 @@ async def wait_ready(
 ) -> WorkloadEnded | None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + settings.readiness_timeout_s
+    if url == NONE_URL:
+        code = await exit_within(wait_exit, min(NONE_SETTLE_S, settings.readiness_timeout_s))
+        return None if code is None else WorkloadEnded("exited", code, detail="before it was ready")
     async with _session(settings.request_timeout_s) as session:
         while True:
             failure = await check(session, url, settings.request_timeout_s)
@@ -111,12 +155,20 @@ async def wait_ready(
             if remaining <= 0:
                 return WorkloadEnded(
                     "readiness_timeout",
-                    detail=f"no HTTP 200 from {url} within "
+                    detail=f"{_ready_means(url)} within "
                     f"{settings.readiness_timeout_s:g} s (last: {failure})",
                 )
             code = await exit_within(wait_exit, min(settings.readiness_interval_s, remaining))
             if code is not None:
                 return WorkloadEnded("exited", code, detail="before it was ready")
+
+
+def _probe(url: str) -> str:
+    return url if url.startswith("tcp://") else f"GET {url}"
+
+
+def _ready_means(url: str) -> str:
+    return f"no connection to {url}" if url.startswith("tcp://") else f"no HTTP 200 from {url}"
 
 
 async def watch(url: str, settings: ProbeSettings, wait_exit: ExitWaiter) -> WorkloadEnded:
@@ -138,5 +190,6 @@ async def watch(url: str, settings: ProbeSettings, wait_exit: ExitWaiter) -> Wor
                     return WorkloadEnded("exited", code)
                 return WorkloadEnded(
                     "liveness_failed",
-                    detail=f"{failures} failed health checks in a row (last: GET {url}: {failure})",
+                    detail=f"{failures} failed health checks in a row "
+                    f"(last: {_probe(url)}: {failure})",
                 )

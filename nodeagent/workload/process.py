@@ -30,7 +30,7 @@ from .base import (
 from .engines import missing_program
 from .leftovers import Records, die_with_parent
 from .ports import free_port
-from .probing import ProbeSettings, exit_within, probe_paths, wait_ready, watch
+from .probing import ProbeSettings, exit_within, probe_urls, wait_ready, watch
 
 _log = structlog.get_logger("gpumesh.nodeagent.process")
 
@@ -108,8 +108,7 @@ class ProcessDriver:
         finally:
             log_file.close()  # the child holds its own copy of the descriptor
         _log.info("workload_launched", replica=replica_id, epoch=epoch, pid=proc.pid, port=port)
-        ready_path, live_path = probe_paths(spec)
-        base = f"http://{self.host}:{port}"
+        ready_url, live_url = probe_urls(spec, self.host, port)
         forget = None
         if self.records is not None:
             records = self.records
@@ -121,8 +120,8 @@ class ProcessDriver:
         return ProcessWorkload(
             proc,
             port=port,
-            url=base + ready_path,
-            liveness_url=base + live_path,
+            url=ready_url,
+            liveness_url=live_url,
             probes=self.probes.for_spec(spec),
             log_path=log_path,
             on_gone=forget,
