@@ -29,9 +29,11 @@ from events import (
     ReplicaFailed,
     ReplicaPlaced,
     ReplicaReady,
+    ReplicaStageReady,
     ReplicaStarting,
     ReplicaStopped,
     ReplicaStopping,
+    StagePlacement,
     Undecodable,
     stream_of,
     type_tag,
@@ -123,7 +125,7 @@ cluster_events = st.one_of(
 def replica_events(draw: st.DrawFn) -> DomainEvent:
     rid = draw(replica_ids)
     epoch = draw(epochs)
-    kind = draw(st.integers(0, 5))
+    kind = draw(st.integers(0, 7))
     if kind == 0:
         return ReplicaPlaced(
             replica_id=rid,
@@ -131,6 +133,25 @@ def replica_events(draw: st.DrawFn) -> DomainEvent:
             node_id=draw(node_ids),
             gpu_indices=(0,),
             epoch=epoch,
+        )
+    if kind == 6:  # a pipeline of two stages (docs/sharding.md)
+        head, worker = draw(node_ids), draw(node_ids)
+        return ReplicaPlaced(
+            replica_id=rid,
+            cluster=REPLICA_CLUSTER[rid],
+            node_id=head,
+            gpu_indices=(0,),
+            epoch=epoch,
+            stages=(
+                StagePlacement(rank=0, node_id=head, gpu_indices=(0,), last_layer=8),
+                StagePlacement(
+                    rank=1, node_id=worker, gpu_indices=(1,), first_layer=8, last_layer=16
+                ),
+            ),
+        )
+    if kind == 7:
+        return ReplicaStageReady(
+            replica_id=rid, epoch=epoch, rank=1, node_id=draw(node_ids), address=f"w:{epoch}"
         )
     if kind == 1:
         return ReplicaStarting(replica_id=rid, epoch=epoch, port=8000)

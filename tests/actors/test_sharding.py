@@ -17,7 +17,7 @@ from actors.sharding import (
     weights_bytes,
 )
 from actors.spec import SpecError, parse_toml
-from events import ClusterSpec, GpuInfo, GpuRequirement, ShardingSpec
+from events import ClusterSpec, GpuInfo, GpuRequirement, ShardingSpec, StagePlacement
 from events.codec import decode_payload
 from projections.views import NodeView, ReplicaView
 
@@ -167,6 +167,24 @@ def test_gpus_held_by_replicas_are_not_free() -> None:
     assert fits(plan(spec(), fleet, [gone])).stages[0].node_id == "h"
 
 
+def test_every_stage_of_a_placed_pipeline_holds_its_gpus() -> None:
+    # A live 2-stage group on a and b (its head on a): neither node has a free GPU left.
+    group = ReplicaView(
+        replica_id="x-1",
+        cluster="x",
+        node_id="a",
+        epoch=1,
+        gpu_indices=(0,),
+        stages=(
+            StagePlacement(rank=0, node_id="a", gpu_indices=(0,), last_layer=40),
+            StagePlacement(rank=1, node_id="b", gpu_indices=(0,), first_layer=40, last_layer=80),
+        ),
+    )
+    fleet = [node("a"), node("b"), node("c"), node("d")]
+    p = fits(plan(spec(), fleet, [group]))
+    assert [s.node_id for s in p.stages] == ["c", "d"]
+
+
 def test_nothing_fits_says_why() -> None:
     result = plan(spec(), [node("a"), node("b", health="offline")], [])
     assert isinstance(result, NoPlan)
@@ -272,6 +290,7 @@ BASE = 'name = "x"\ncommand = "c"\n[sharding]\n'
         ("weights_gib = 1\nmax_token_latency_ms = nan", "sharding.max_token_latency_ms: must be"),
         ("weights_gib = 1\nhidden_size = -5", "sharding.hidden_size: must not be negative"),
         ('weights_gib = "big"', "sharding.weights_gib: Expected `float`, got `str`"),
+        ('weights_gib = 1\nworker_probe = "grpc"', "sharding.worker_probe: 'grpc' is not one"),
     ],
 )
 def test_bad_sharding_sections_name_the_field(body: str, message: str) -> None:

@@ -52,6 +52,7 @@ class ScriptedAgent:
     start_delay: float = 0.5
     running: dict[str, ReplicaState] = field(default_factory=dict)
     started: list[tuple[str, int]] = field(default_factory=list)
+    start_commands: list[StartReplica] = field(default_factory=list)  # each, as received
     stopped: list[tuple[str, int]] = field(default_factory=list)
     images: tuple[str, ...] = ()  # what it registers as held (the docker driver's listing)
     pulled: list[str] = field(default_factory=list)  # each cmd.pull.v1's image
@@ -124,6 +125,7 @@ class ScriptedAgent:
             match delivery.command:
                 case StartReplica(replica_id=rid, epoch=epoch):
                     self.started.append((rid, epoch))
+                    self.start_commands.append(delivery.command)
                     await self._report(
                         ReplicaState(replica_id=rid, epoch=epoch, state="starting", port=9000)
                     )
