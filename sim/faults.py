@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 
 Undo = Callable[[], None]
 
+# A fault's `nodes` that names no node but a role: a node holding a worker stage of a ready
+# pipeline (a sharded replica's rank >= 1, docs/sharding.md). The simulator's only.
+STAGE: Final = "stage"
 NATS_SERVERS: Final = 3  # nats_server_loss: the cluster's size; its clients spread over them
 # A client of a dead server reconnects to another after this long (drawn per client), plus the
 # network's own reconnect wait; the leader lease's stream, if the dead server led it, elects a
@@ -66,9 +69,36 @@ class FaultRunner:
     def _victims(self, fault: FaultPlan) -> list[SimNode]:
         from .world import draw_victims
 
+        if fault.nodes == STAGE:
+            return self._stage_victim()
         return draw_victims(
             self.world.nodes, fault.nodes, self.rng, up=lambda n: n.powered and not n.hung
         )
+
+    def _stage_victim(self) -> list[SimNode]:
+        """`nodes = "stage"`: one node that holds a worker stage (rank >= 1) of a ready
+        sharded replica, as the log shows it now, drawn from the seed among them in sorted
+        order; none if no pipeline is ready. Where a pipeline's stages land depends on which
+        nodes the controller had heard from when it placed them, so a name in the scenario
+        would miss them on some seeds."""
+        world = self.world
+        held = sorted(
+            {
+                stage.node_id
+                for replica in world.checker.state.replicas.replicas.values()
+                if replica.status == "ready"
+                for stage in replica.stages[1:]
+            }
+        )
+        up = [
+            world.nodes[n]
+            for n in held
+            if n in world.nodes and world.nodes[n].powered and not world.nodes[n].hung
+        ]
+        if not up:
+            world.note("fault  no ready pipeline stage to strike (skipped)")
+            return []
+        return [self.rng.choice(up)]
 
     def _later(self, fault: FaultPlan, what: str, undo: Undo) -> None:
         # From when it really started: virtual time can be the planned instant's float

@@ -20,17 +20,26 @@ import projections
 from actors.scheduler import RELEASED, accepts, eligible_gpus
 from events import (
     ClusterScaled,
+    ClusterSpec,
     Envelope,
     NodeHealthChanged,
+    NodeRegistered,
+    NodeRemoved,
+    ReplicaFailed,
     ReplicaPlaced,
     ReplicaReady,
+    ReplicaStageReady,
+    ReplicaStarting,
+    ReplicaStopped,
+    ReplicaStopping,
 )
 from events.contract.messages import RouteEntry
 from events.controller import ControllerGrace
 from projections import FleetState
+from projections.views import ReplicaView
 
 from .clock import SIM_EPOCH_NS
-from .liveness import short_in
+from .liveness import short_in, unplaced_groups
 
 if TYPE_CHECKING:
     from .world import World
@@ -43,6 +52,18 @@ MUST_DETECT = frozenset(
 DETECTION_WINDOW_S = 5.0
 ROUTE_GRACE_S = 1.0  # a gateway's table may lag the controller by one publish: allow this much
 LIVENESS_S = 120.0  # after the faults stop, every cluster is whole again within this
+# The events that change a replica's view (status, placement, stages).
+REPLICA_EVENTS = (
+    ReplicaPlaced,
+    ReplicaStageReady,
+    ReplicaStarting,
+    ReplicaReady,
+    ReplicaFailed,
+    ReplicaStopping,
+    ReplicaStopped,
+)
+# A node's health verdicts that take a replica's node (any of a pipeline's) out of service.
+LOST = ("offline", "unhealthy")
 # An autoscaler's decision is stamped when its event is recorded, a little after it was made:
 # two decisions a window apart may be recorded this much closer together.
 AUTOSCALE_SLACK_S = 0.25
@@ -87,6 +108,10 @@ class Checker:
         self._versions: dict[str, int] = {}
         self._superseded: dict[tuple[str, int], float] = {}  # (replica, epoch) -> when
         self._offline_since: dict[str, float] = {}
+        # Nodes known offline, unhealthy or removed (the log says so), and since when.
+        self._lost_since: dict[str, float] = {}
+        self._sharded_ready: set[str] = set()  # ready replicas with pipeline stages
+        self._reported: set[tuple[object, ...]] = set()  # violations reported once
         self._autoscaled: dict[str, tuple[float, bool]] = {}  # cluster -> (when, went up)
         self._gateway_cut_since: float | None = None  # its table is stale from then
         self._gateway_back_at = -math.inf
@@ -119,6 +144,9 @@ class Checker:
                 f"{envelope.stream}: version {envelope.version}, expected {expected}",
             )
         self._versions[envelope.stream] = envelope.version
+        if self._sharded_ready:
+            # The pipelines ready until this instant, before this event may fail one.
+            self._check_groups_whole(at)
         payload = envelope.payload
         if isinstance(payload, ReplicaPlaced):
             self._check_placement(at, payload)
@@ -130,6 +158,10 @@ class Checker:
                 self._offline_since.setdefault(payload.node_id, at)
             else:
                 self._offline_since.pop(payload.node_id, None)
+            if payload.state in LOST:
+                self._lost_since.setdefault(payload.node_id, at)
+            else:
+                self._lost_since.pop(payload.node_id, None)
             # Suspect is a warning, not yet a verdict on the fault: detection is the verdict
             # that moves replicas (offline, unhealthy) or degrades the node.
             if payload.state not in ("healthy", "suspect"):
@@ -154,7 +186,112 @@ class Checker:
                 if old is not None and payload.epoch > old:
                     del pending.replicas[payload.replica_id]
                     self.timings.replacement[pending.kind].append(at - pending.at)
+        elif isinstance(payload, NodeRemoved):
+            self._lost_since.setdefault(payload.node_id, at)
+        elif isinstance(payload, NodeRegistered) and payload.node_id not in self.state.nodes.nodes:
+            self._lost_since.pop(payload.node_id, None)  # removed, and back as a new node
         projections.apply(self.state, envelope)
+        if isinstance(payload, REPLICA_EVENTS):
+            self._after_replica_event(at, payload.replica_id, payload.epoch)
+
+    def _after_replica_event(self, at: float, replica_id: str, epoch: int) -> None:
+        """A replica's view changed (folded already): keep the set of ready pipelines, check
+        that one just ready has every worker stage up, and that a replica that holds GPUs
+        (placed, or live again) shares none with another."""
+        view = self.state.replicas.replicas.get(replica_id)
+        if view is None or view.epoch != epoch:
+            return  # a stale epoch's event: the fold ignored it
+        if view.stages and view.status == "ready":
+            if replica_id not in self._sharded_ready:
+                self._sharded_ready.add(replica_id)
+                self._check_stages_up(at, view)
+        else:
+            self._sharded_ready.discard(replica_id)
+        if view.status not in RELEASED:
+            self._check_held_once(at, view)
+
+    def _check_stages_up(self, at: float, view: ReplicaView) -> None:
+        """no_partial_group_serving, its first half: a pipeline is ready only once every
+        worker stage (rank >= 1) was recorded up at this epoch (replica.stage_ready.v1)."""
+        missing = [
+            s.rank for s in view.stages if s.rank >= 1 and s.rank not in view.stage_addresses
+        ]
+        if missing:
+            self._violate_once(
+                at,
+                "no_partial_group_serving",
+                view,
+                f"{view.replica_id}@{view.epoch} ready with worker stage(s) "
+                f"{', '.join(map(str, missing))} never recorded up",
+            )
+
+    def _check_groups_whole(self, at: float) -> None:
+        """no_partial_group_serving, its second half: no ready pipeline keeps a stage on a node
+        known offline, unhealthy or removed for longer than a single-node replica's route may
+        (ROUTE_GRACE_S of controller uptime, as route_not_offline allows): the group must have
+        been failed by then."""
+        replicas = self.state.replicas.replicas
+        for replica_id in sorted(self._sharded_ready):
+            view = replicas[replica_id]
+            # Every stage's node, read from the placement itself rather than through
+            # ReplicaView.node_ids, which the controller uses to decide: a bug there must not
+            # blind the check of its outcome.
+            for node_id in [s.node_id for s in view.stages]:
+                since = self._lost_since.get(node_id)
+                if since is None or self._watched(since, at) <= ROUTE_GRACE_S:
+                    continue
+                node = self.state.nodes.nodes.get(node_id)
+                health = node.health if node is not None else "removed"
+                self._violate_once(
+                    at,
+                    "no_partial_group_serving",
+                    view,
+                    f"{replica_id}@{view.epoch} still ready with its stage on {node_id} "
+                    f"{health} since {since:.3f}",
+                )
+                break
+
+    def _check_held_once(self, at: float, view: ReplicaView) -> None:
+        """no_gpu_held_twice: no (node, GPU) that this live replica holds (every stage's, for a
+        pipeline) is held by another live replica, nor twice by this one."""
+        mine: set[tuple[str, int]] = set()
+        for node_id, indices in view.holds():
+            for index in indices:
+                if (node_id, index) in mine:
+                    self._violate_once(
+                        at,
+                        "no_gpu_held_twice",
+                        view,
+                        f"{view.replica_id}@{view.epoch} holds {node_id} GPU {index} twice",
+                    )
+                    return
+                mine.add((node_id, index))
+        for other in sorted(self.state.replicas.replicas.values(), key=lambda r: r.replica_id):
+            if other.replica_id == view.replica_id or other.status in RELEASED:
+                continue
+            for node_id, indices in other.holds():
+                both = sorted(i for i in indices if (node_id, i) in mine)
+                if both:
+                    ours = f"{view.replica_id}@{view.epoch}"
+                    theirs = f"{other.replica_id}@{other.epoch}"
+                    key = ("no_gpu_held_twice", node_id, both[0], *sorted((ours, theirs)))
+                    if key not in self._reported:  # once a pair, whichever moves next
+                        self._reported.add(key)
+                        self._violate(
+                            at,
+                            "no_gpu_held_twice",
+                            f"{node_id} GPU {both[0]} held by {ours} ({view.status}) and by "
+                            f"{theirs} ({other.status})",
+                        )
+                    return
+
+    def _violate_once(self, at: float, invariant: str, view: ReplicaView, detail: str) -> None:
+        """A violation about one replica's epoch, reported the first time only: a state that
+        holds for many events is one fault, not one per event."""
+        key = (invariant, view.replica_id, view.epoch)
+        if key not in self._reported:
+            self._reported.add(key)
+            self._violate(at, invariant, detail)
 
     def _check_autoscale(self, at: float, scaled: ClusterScaled) -> None:
         """The autoscaler never goes outside its cluster's bounds, and never reverses a
@@ -235,6 +372,11 @@ class Checker:
                     "placement_fits",
                     f"{placed.replica_id}: {gpu.vram_mib} MiB < {spec.gpu.min_vram_mib}",
                 )
+        if spec.sharding is not None:
+            # The plan decides the GPUs of a sharded spec (docs/sharding.md), not gpu.count,
+            # and has its own order of nodes, not the scheduler's spread.
+            self._check_stages_fit(at, placed, spec)
+            return
         if len(placed.gpu_indices) != spec.gpu.count:
             self._violate(
                 at,
@@ -261,6 +403,47 @@ class Checker:
                         f"{placed.node_id} while {other} had room",
                     )
                     break
+
+    def _check_stages_fit(self, at: float, placed: ReplicaPlaced, spec: ClusterSpec) -> None:
+        """placement_fits for a pipeline's stages: the head is the placement's node and GPUs,
+        and every worker stage's GPUs exist on a known node and match the model and VRAM.
+        (Whether another replica holds them is no_gpu_held_twice's, once it is folded.)"""
+        stages = placed.stages
+        if not stages:
+            return  # a plan on one node: the head's GPUs, checked above
+        head = stages[0]
+        if (head.rank, head.node_id, head.gpu_indices) != (0, placed.node_id, placed.gpu_indices):
+            self._violate(
+                at,
+                "placement_fits",
+                f"{placed.replica_id}: stage 0 is {head.node_id} {head.gpu_indices}, not the "
+                f"placement's {placed.node_id} {placed.gpu_indices}",
+            )
+        for stage in stages[1:]:
+            node = self.state.nodes.nodes.get(stage.node_id)
+            if node is None:
+                self._violate(
+                    at,
+                    "placement_fits",
+                    f"{placed.replica_id} stage {stage.rank} on unknown node {stage.node_id}",
+                )
+                continue
+            gpus = {g.index: g for g in node.gpus}
+            for index in stage.gpu_indices:
+                gpu = gpus.get(index)
+                if gpu is None:
+                    why = "no such GPU"
+                elif not accepts(spec.gpu.models, gpu.model):
+                    why = f"{gpu.model} is not one of {spec.gpu.models}"
+                elif gpu.vram_mib < spec.gpu.min_vram_mib:
+                    why = f"{gpu.vram_mib} MiB < {spec.gpu.min_vram_mib}"
+                else:
+                    continue
+                self._violate(
+                    at,
+                    "placement_fits",
+                    f"{placed.replica_id} stage {stage.rank} on {stage.node_id} GPU {index}: {why}",
+                )
 
     def gateway_cut(self, at: float) -> None:
         self._gateway_cut_since = at
@@ -374,10 +557,11 @@ class Checker:
         view = self.state.nodes.nodes.get(node.node_id)
         if view is not None and view.health not in ("healthy", "suspect"):
             return  # already held unhealthy or offline: there is no change left to detect
-        replicas = {
+        replicas = {  # a pipeline's on any of its stages' nodes: it is lost with any
             r.replica_id: r.epoch
             for r in self.state.replicas.replicas.values()
-            if r.node_id == node.node_id and r.status not in RELEASED
+            if r.status not in RELEASED
+            and (r.node_id == node.node_id or any(s.node_id == node.node_id for s in r.stages))
         }
         self._pending.append(_Pending(kind, node.node_id, at, replicas, lasting=lasting))
 
@@ -430,6 +614,10 @@ class Checker:
                 )
         for short in short_in(live_state, settle_s=world.scenario.settle_s):
             self._violate(now, "liveness", short.detail)
+        for short in unplaced_groups(live_state, settle_s=world.scenario.settle_s):
+            self._violate(now, "group_serving_or_unschedulable", short.detail)
+        if self._sharded_ready:
+            self._check_groups_whole(now)
 
 
 def _standbys(world: object) -> bool:

@@ -1,7 +1,9 @@
 """The liveness invariant, "every cluster whole": once the faults have stopped and the fleet has
 settled, every cluster has as many ready replicas as it asks for, wherever the healthy nodes'
 GPUs allow it. The simulator's Checker judges it on the controller's live state, `gpumesh chaos`
-on its own fold of the real event log; both with `short_clusters`.
+on its own fold of the real event log; both with `short_clusters`. A sharded cluster (a spec
+with `[sharding]`) is judged by `unplaced_groups` instead: its replicas ready, or the reason
+they cannot be recorded and still true.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from actors.scheduler import RELEASED
+from actors.sharding import NoPlan, plan
 from projections import FleetState
 
 
@@ -64,15 +68,71 @@ def short_clusters(
 
 
 def short_in(state: FleetState, *, settle_s: float) -> list[Short]:
-    """`short_clusters` of the fleet as a fold of its event log shows it."""
+    """`short_clusters` of the fleet as a fold of its event log shows it. A sharded cluster's
+    GPUs are its plan's, not `gpu.count`: it is judged by `unplaced_groups` instead, and the
+    GPUs its live replicas hold on healthy nodes are no capacity for the others."""
     healthy = [n for n in state.nodes.nodes.values() if n.health == "healthy" and not n.drained]
-    capacity = Capacity(nodes=len(healthy), gpus=sum(len(n.gpus) for n in healthy))
+    sharded = {name for name, c in state.clusters.clusters.items() if c.spec.sharding}
+    usable = {n.node_id for n in healthy}
+    held = sum(
+        len(indices)
+        for r in state.replicas.replicas.values()
+        if r.cluster in sharded and r.status not in RELEASED
+        for node_id, indices in r.holds()
+        if node_id in usable
+    )
+    capacity = Capacity(nodes=len(healthy), gpus=sum(len(n.gpus) for n in healthy) - held)
     wanted = {
         name: Wanted(c.spec.replicas, c.spec.gpu.count)
         for name, c in state.clusters.clusters.items()
+        if name not in sharded
     }
+    return short_clusters(wanted, capacity, _ready(state), settle_s=settle_s)
+
+
+def unplaced_groups(state: FleetState, *, settle_s: float) -> list[Short]:
+    """The invariant group_serving_or_unschedulable: once the fleet has settled, every sharded
+    cluster (a `[sharding]` spec, placed by its plan as whole groups) has its wanted replicas
+    ready, or the reason it cannot is recorded (`cluster.unschedulable.v1`, the cluster view's
+    `unschedulable`) and still holds: no plan for one more group fits the fleet as it is. A
+    cluster short with no reason recorded, or short while a group would fit, is stuck."""
+    ready = _ready(state)
+    replicas = list(state.replicas.replicas.values())
+    nodes = sorted(state.nodes.nodes.values(), key=lambda n: n.node_id)
+    out = []
+    for name, cluster in sorted(state.clusters.clusters.items()):
+        spec = cluster.spec
+        if spec.sharding is None:
+            continue
+        have, want = ready.get(name, 0), spec.replicas
+        if have >= want:
+            continue
+        head = f"{name}: {have}/{want} groups ready {settle_s:g} s after the faults stopped"
+        if not cluster.unschedulable:
+            detail = f"{head}, and no reason recorded (cluster.unschedulable)"
+        else:
+            fits = plan(spec, nodes, replicas)
+            if isinstance(fits, NoPlan):
+                continue  # short for the recorded reason, which still holds
+            where = "+".join(s.node_id for s in fits.stages)
+            detail = (
+                f"{head}: recorded unschedulable ({cluster.unschedulable}), but a group fits "
+                f"on {where}"
+            )
+        waiting = [
+            f"{r.replica_id}@{r.epoch} {r.status}"
+            for r in sorted(replicas, key=lambda r: r.replica_id)
+            if r.cluster == name and r.status not in ("ready", "stopped")
+        ]
+        if waiting:
+            detail += f"; not ready: {', '.join(waiting)}"
+        out.append(Short(name, have, want, detail))
+    return out
+
+
+def _ready(state: FleetState) -> dict[str, int]:
     ready: dict[str, int] = {}
     for replica in state.replicas.replicas.values():
         if replica.status == "ready":
             ready[replica.cluster] = ready.get(replica.cluster, 0) + 1
-    return short_clusters(wanted, capacity, ready, settle_s=settle_s)
+    return ready
