@@ -192,6 +192,15 @@ def _lost(node: NodeView | None) -> bool:
     return node is None or node.health in ("offline", "unhealthy")
 
 
+def _at_fault(slot: ReplicaView) -> tuple[str, ...]:
+    """The node a failed slot's replacement avoids: the one its failure names (a pipeline's
+    failing stage's), else its own node; a pipeline whose failure names none avoids nothing,
+    its stages' nodes being as good as any."""
+    if slot.failure_node:
+        return (slot.failure_node,)
+    return () if slot.stages else (slot.node_id,)
+
+
 def _good_everywhere(nodes: Mapping[str, NodeView], replica: ReplicaView) -> bool:
     """Whether every node the replica runs on is good (a pipeline's, each stage's)."""
     return all(_good(nodes.get(node_id)) for node_id in replica.node_ids)
@@ -526,6 +535,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                     "node_unhealthy" if unhealthy else "node_offline",
                     f"node {node_id}{stage} is {node.health if node else 'removed'}",
                     stop_on_node=unhealthy,
+                    node_id=node_id,
                 )
                 last = max(last, await self._tell(r, fail, spec))
                 actions += 1
@@ -545,7 +555,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
             return 0, mine
         retry = [r for r in mine if r.status == "failed"]
         placed, blocked = await self._place(ctx, spec, missing, retry, mine)
-        if blocked is not None and blocked.reason != self.state.unschedulable:
+        if blocked is not None and blocked.reason != self._recorded_unschedulable():
             unschedulable = ClusterUnschedulable(
                 name=self.name,
                 missing=missing - placed,
@@ -623,7 +633,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
             blocked_why = (
                 f"rolling out revision {self.state.revision}: {blocked.reason}" if blocked else ""
             )
-            if blocked is not None and blocked_why != self.state.unschedulable:
+            if blocked is not None and blocked_why != self._recorded_unschedulable():
                 unschedulable = ClusterUnschedulable(
                     name=self.name,
                     missing=step.place - placed,
@@ -718,7 +728,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         placed = 0
         for _ in range(missing):
             slot = retry.pop(0) if retry else None
-            avoid = (slot.node_id,) if slot is not None else ()
+            avoid = _at_fault(slot) if slot is not None else ()
             fleet = live.state
             # Every replica, all clusters: the scheduler knows which statuses still hold GPUs.
             everyone = list(fleet.replicas.replicas.values())
@@ -731,12 +741,14 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
             if spec.sharding is not None:
                 # The model's memory decides the GPUs: a node's, or a pipeline over several,
                 # placed in one event or not at all (docs/sharding.md).
-                decision, stages = place_group(spec, nodes, everyone, now_ns=now_ns)
+                decision, stages = place_group(spec, nodes, everyone, avoid=avoid, now_ns=now_ns)
+                if isinstance(decision, NoFit) and avoid:
+                    decision, stages = place_group(spec, nodes, everyone, now_ns=now_ns)
             else:
                 decision = schedule(nodes, spec, everyone, rng, avoid=avoid, now_ns=now_ns)
-            if isinstance(decision, NoFit) and avoid and spec.sharding is None:
-                # The node the slot failed on is the only fit: better there than nowhere.
-                decision = schedule(nodes, spec, everyone, rng, now_ns=now_ns)
+                if isinstance(decision, NoFit) and avoid:
+                    # The node the slot failed on is the only fit: better there than nowhere.
+                    decision = schedule(nodes, spec, everyone, rng, now_ns=now_ns)
             if waiting and (isinstance(decision, NoFit) or _stacks(decision, spec, everyone)):
                 return placed, None  # a later pass, once they are heard from, places it
             if isinstance(decision, NoFit):
@@ -763,6 +775,12 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
             await live.wait_for(positions[-1])
             placed += 1
         return placed, None
+
+    def _recorded_unschedulable(self) -> str:
+        """The reason the read model shows now: a placement clears it there, so a cluster
+        short again for the same reason records it again (its own last event would not)."""
+        view = self.fleet.live.state.clusters.clusters.get(self.name)
+        return view.unschedulable if view is not None else ""
 
     async def _tell(self, replica: ReplicaView, msg: ReplicaMsg, spec: ClusterSpec) -> int:
         ref = await self.fleet.replica(replica.replica_id, spec)

@@ -79,6 +79,7 @@ class Fail:
     reason: FailureReason
     detail: str = ""
     stop_on_node: bool = False  # the node still answers: make sure the workload dies
+    node_id: str = ""  # the node at fault, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +189,7 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
                 return await self._place(ctx, msg)
             case Report(node_id=node_id, replica=report):
                 return await self._report(ctx, node_id, report)
-            case Fail(reason=reason, detail=detail, stop_on_node=stop):
+            case Fail(reason=reason, detail=detail, stop_on_node=stop, node_id=at_fault):
                 state = self.state
                 if state.status not in (*ACTIVE, "stopping"):
                     return []
@@ -200,6 +201,7 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
                             epoch=state.epoch,
                             reason=reason,
                             detail=detail,
+                            node_id=at_fault,
                         )
                     ],
                 )
@@ -397,7 +399,11 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
                     "readiness_timeout" if "readiness" in report.detail else "workload_exited"
                 )
                 event = ReplicaFailed(
-                    replica_id=rid, epoch=epoch, reason=reason, detail=report.detail
+                    replica_id=rid,
+                    epoch=epoch,
+                    reason=reason,
+                    detail=report.detail,
+                    node_id=node_id,
                 )
             case "stopped" if state.status != "stopped":
                 event = ReplicaStopped(replica_id=rid, epoch=epoch, exit_code=report.exit_code)
@@ -458,7 +464,12 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
         detail = f"stage {rank} on {node_id}: {failure}"
         ctx.log.warning("stage_failed", rank=rank, node=node_id, detail=detail)
         positions = await self.persist(
-            ctx, [ReplicaFailed(replica_id=rid, epoch=epoch, reason=reason, detail=detail)]
+            ctx,
+            [
+                ReplicaFailed(
+                    replica_id=rid, epoch=epoch, reason=reason, detail=detail, node_id=node_id
+                )
+            ],
         )
         await self._stop_everywhere(state, f"stage {rank} failed")
         return positions

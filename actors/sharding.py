@@ -35,7 +35,7 @@ of the step (`hidden_size` x 2 bytes x sequences) over `link_gbps` plus `link_rt
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -170,12 +170,14 @@ def place_group(
     nodes: Sequence[NodeView],
     placements: Sequence[ReplicaView],
     *,
+    avoid: Collection[str] = (),
     now_ns: int = 0,
 ) -> tuple[Placement | NoFit, tuple[StagePlacement, ...]]:
     """A placement of one replica of a `[sharding]` spec by its plan: the head's node and GPUs
     (a one-node plan's only ones) and, for a pipeline, every stage in rank order; or NoFit with
-    the plan's reason. The alternatives the plan rejected are the placement's candidates."""
-    found = plan(spec, nodes, placements, now_ns=now_ns)
+    the plan's reason. The alternatives the plan rejected are the placement's candidates.
+    `avoid`: nodes it must not use (the scheduler's hard filter)."""
+    found = plan(spec, nodes, placements, avoid=avoid, now_ns=now_ns)
     candidates = tuple(
         Candidate(node_id="+".join(r.nodes) or "-", rejected=r.reason) for r in found.rejected
     )
@@ -261,16 +263,18 @@ def plan(
     nodes: Sequence[NodeView],
     placements: Sequence[ReplicaView],
     *,
+    avoid: Collection[str] = (),
     now_ns: int = 0,
 ) -> ShardPlan | NoPlan:
     """Plan one replica of `spec` on the fleet as it is; `spec.sharding` must be set.
-    `now_ns`: the wall clock, for cordons that end (0: every recorded cordon holds)."""
+    `now_ns`: the wall clock, for cordons that end (0: every recorded cordon holds). `avoid`:
+    nodes it must not use, refused as the scheduler refuses them."""
     s = spec.sharding
     if s is None:
         return NoPlan(cluster=spec.name, reason=f"{spec.name} has no [sharding] section")
     weights, kv = weights_bytes(s), kv_cache_bytes(s)
     ctx = _Ctx(spec, s, weights + kv, weights, kv, s.layers, [])
-    units = _units(ctx, nodes, placements, now_ns)
+    units = _units(ctx, nodes, placements, now_ns, avoid)
     found = _one_node(ctx, units)
     if found is None and "pipeline" in s.parallelism and s.layers >= 2:
         found = _pipeline(ctx, units)
@@ -285,7 +289,11 @@ def plan(
 
 
 def _units(
-    ctx: _Ctx, nodes: Sequence[NodeView], placements: Sequence[ReplicaView], now_ns: int
+    ctx: _Ctx,
+    nodes: Sequence[NodeView],
+    placements: Sequence[ReplicaView],
+    now_ns: int,
+    avoid: Collection[str] = (),
 ) -> dict[str, list[_Unit]]:
     """Per eligible node (by id), its free GPUs of each accepted model, all of them; the
     nodes the scheduler's filters refuse go to `ctx.rejected` with the scheduler's reason."""
@@ -295,7 +303,7 @@ def _units(
     units: dict[str, list[_Unit]] = {}
     for node in sorted(nodes, key=lambda n: n.node_id):
         used = taken.get(node.node_id, set())
-        verdict = _filter(node, spec, used, (), need, now_ns=now_ns)
+        verdict = _filter(node, spec, used, avoid, need, now_ns=now_ns)
         if isinstance(verdict, _Reject):
             ctx.rejected.append(Rejected(nodes=(node.node_id,), gpus=0, reason=verdict.detail))
             continue

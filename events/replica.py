@@ -98,6 +98,9 @@ class ReplicaFailed(
     epoch: int
     reason: FailureReason
     detail: str = ""
+    # The node at fault where it is known: a sharded replica's failing stage's, so that its
+    # replacement avoids that node and not its healthy peers. Added later: "" in older rows.
+    node_id: str = ""
 
 
 class ReplicaStopping(

@@ -68,12 +68,13 @@ def apply(state: Replicas, envelope: Envelope) -> Replicas:
         case ReplicaReady(address=address):
             view.status = "ready"
             view.address = address
-        case ReplicaFailed(reason=reason, detail=detail):
+        case ReplicaFailed(reason=reason, detail=detail, node_id=failed_on):
             if reason in WORKLOAD_FAILURES and view.revision and view.status != "failed":
                 view.crashes += 1
             view.status = "failed"
             view.failure_reason = reason
             view.failure_detail = detail
+            view.failure_node = failed_on
         case ReplicaStopping():
             view.status = "stopping"
         case ReplicaStopped():

@@ -68,6 +68,7 @@ class ReplicaView(msgspec.Struct, kw_only=True):
     address: str = ""
     failure_reason: str = ""
     failure_detail: str = ""
+    failure_node: str = ""  # the node at fault, where the failure names one
     why: str = ""
     version: int = 0
     revision: int = 0  # the cluster spec's revision it runs; 0: placed before revisions

@@ -112,6 +112,10 @@ def test_a_worker_that_fails_fails_the_group_before_the_head_starts() -> None:
             assert failed.epoch == 1 and failed.detail.startswith("stage 1 on n1: ")
             # The head of that epoch was never started.
             assert ("big-0", 1) not in f.agents["n0"].started
+            # The failure names the worker's node, and the replacement avoids it.
+            assert failed.node_id == "n1"
+            await f.until(lambda: f.ready("big") == ["big-0"], within=20, why="placed elsewhere")
+            assert {s.node_id for s in placements(f, "big-0")[-1].stages} == {"n0", "n2"}
 
     run_simulation(main())
 

@@ -353,21 +353,15 @@ def test_a_cluster_that_waits_without_saying_why_is_caught(
     assert "no reason recorded" in result.violations[0]["detail"]
 
 
-# -- core bugs the invariants found, not fixed yet (strict: a fix must remove the mark) --------
+# -- core bugs the invariants found, fixed: these runs failed before ---------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="actors/cluster_actor.py records cluster.unschedulable only when the reason differs "
-    "from its own last one, which no placement clears, while projections/clusters.py clears "
-    "the view's on every replica.placed: the same reason again is never shown",
-)
 def test_a_reason_that_holds_again_after_a_placement_is_shown_again() -> None:
     """Six nodes, 3 groups of the 4 wanted: alpha loses a group (a stage's power, 20 s), gets
     it back (replica.placed clears alpha's reason in the view), then loses another for good,
-    for the same reason text as before: nothing is recorded, and alpha ends short with no
-    reason to show (seed 1: `alpha: 1/2 groups ready ..., and no reason recorded`)."""
+    for the same reason text as before, which is recorded again. (Before the cluster actor
+    compared with the read model's reason, nothing was: seed 1 ended `alpha: 1/2 groups ready
+    ..., and no reason recorded`.)"""
     scenario = load(SCENARIOS / "sharded-contention.toml")
     scenario = dataclasses.replace(
         scenario,
@@ -381,17 +375,11 @@ def test_a_reason_that_holds_again_after_a_placement_is_shown_again() -> None:
     assert result.violations == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="actors/cluster_actor.py places a sharded slot again with place_group, which takes "
-    "no `avoid`: a pipeline whose worker crash-loops is placed on the same nodes again, "
-    "every 3.5 s, while a node is free",
-)
 def test_a_group_is_not_placed_again_on_its_crash_looping_stage() -> None:
-    """A worker stage's node crash-loops for good (seed 1: node-1, big-0's worker): a
-    single-node replica's slot avoids the node it failed on; big-0 is placed on node-0+node-1
-    again and again (epoch 33 at the end), never on the free node-4."""
+    """A worker stage's node crash-loops for good (seed 1: node-1, big-0's worker): the
+    replacement avoids the node the failure names (replica.failed.v1 `node_id`), as a
+    single-node replica's slot avoids its own. (Before, big-0 was placed on node-0+node-1 again
+    and again, epoch 33 at the end, never on the free node-4.)"""
     scenario = load(SCENARIOS / "sharded-stage-loss.toml")
     scenario = scenario.with_faults((FaultPlan(at_s=130, kind="crash_loop", nodes="stage"),))
     result, _ = run_scenario(scenario, seed=1)
