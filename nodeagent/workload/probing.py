@@ -174,6 +174,11 @@ def _ready_means(url: str) -> str:
 async def watch(url: str, settings: ProbeSettings, wait_exit: ExitWaiter) -> WorkloadEnded:
     """Probe a ready workload's liveness `url` every `liveness_interval_s`; it ends after
     `liveness_failures` failed probes in a row (or when it exits)."""
+    if url.startswith("tcp://") or url == NONE_URL:
+        # Alive while it runs. No connection while it is ready: an RPC server may serve one
+        # client at a time (llama.cpp's ggml-rpc-server does), and a probe's connection would
+        # wait in its accept queue behind the head's, filling it until probes time out.
+        return WorkloadEnded("exited", await wait_exit())
     failures = 0
     timeout_s = settings.liveness_request_timeout_s
     async with _session(timeout_s) as session:

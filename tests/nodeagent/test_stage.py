@@ -116,8 +116,12 @@ async def _never_exits() -> int:
     return 0
 
 
+async def _exits_at_once() -> int:
+    return 3
+
+
 @pytest.mark.integration
-def test_the_tcp_probe_is_ready_when_the_port_accepts_and_fails_when_it_closes() -> None:
+def test_the_tcp_probe_is_ready_when_the_port_accepts_and_then_watches_the_process() -> None:
     async def main() -> None:
         async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             writer.close()
@@ -128,9 +132,14 @@ def test_the_tcp_probe_is_ready_when_the_port_accepts_and_fails_when_it_closes()
         assert await wait_ready(url, FAST, _never_exits) is None
         server.close()
         await server.wait_closed()
-        ended = await watch(url, FAST, _never_exits)
-        assert ended.reason == "liveness_failed"
-        assert f"(last: {url}: cannot connect" in ended.detail
+        # Once ready, it is watched by its process alone (a one-client RPC server must not
+        # be sent probes behind the head's connection): a closed port is not a failure.
+        watching = asyncio.create_task(watch(url, FAST, _never_exits))
+        await asyncio.sleep(FAST.liveness_interval_s * (FAST.liveness_failures + 2))
+        assert not watching.done()
+        watching.cancel()
+        exited = await watch(url, FAST, _exits_at_once)
+        assert (exited.reason, exited.exit_code) == ("exited", 3)
         refused = await wait_ready(url, FAST, _never_exits)
         assert refused is not None and refused.reason == "readiness_timeout"
         assert refused.detail.startswith(f"no connection to {url} within 1 s")
