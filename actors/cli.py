@@ -717,6 +717,14 @@ async def cluster_show(args: argparse.Namespace) -> int:
             f"  {r['replica_id']:16} epoch {r['epoch']:<3} {r['status']:9} "
             f"{r['node_id']:14} {r['address'] or '-':28} {r['why']}"
         )
+        for s in r.get("stages", ()):
+            first, last = s["layers"]
+            gpus = ",".join(map(str, s["gpu_indices"])) or "-"
+            role = "head" if s["rank"] == 0 else ("worker, up" if s["up"] else "worker")
+            lines.append(
+                f"    stage {s['rank']}  {s['node_id']:14} GPU {gpus:5} layers "
+                f"{first}-{last - 1}  ({role})"
+            )
     return _emit(args, c, "\n".join(lines))
 
 

@@ -385,6 +385,17 @@ class ControlApi:
                     "address": r.address,
                     "why": r.why,
                     "failure": r.failure_reason,
+                    # A pipeline's stages (docs/sharding.md); [] for a replica on one node.
+                    "stages": [
+                        {
+                            "rank": s.rank,
+                            "node_id": s.node_id,
+                            "gpu_indices": list(s.gpu_indices),
+                            "layers": [s.first_layer, s.last_layer],
+                            "up": s.rank == 0 or s.rank in r.stage_addresses,
+                        }
+                        for s in r.stages
+                    ],
                 }
                 for r in replicas
             ],

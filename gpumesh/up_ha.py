@@ -45,6 +45,8 @@ import msgspec
 from events.contract import subjects
 from events.contract.messages import ApiReply
 
+from .up import DEFAULT_FAKE_GPUS
+
 NATS_DIR = "nats-ha"  # the three servers' directories (nats-0, nats-1, nats-2) in DATA_DIR
 PROCESSES_FILE = "up-ha.json"  # who runs where, rewritten on every restart; removed at the end
 CONTROL_SOCKET = "up-ha.sock"  # cuts a controller off from NATS (ControllerLinks); removed at end
@@ -592,7 +594,8 @@ class HaStack:
 
                 creds = SecurityLayout(self.data_dir).creds(node_id)
                 argv += ["--nats-creds", str(creds)]
-            argv += ["--node-id", node_id, "--fake-gpus", self.args.fake_gpus]
+            gpus = self.args.fake_gpus or DEFAULT_FAKE_GPUS
+            argv += ["--node-id", node_id, "--fake-gpus", gpus]
             argv += ["--region", REGIONS[index % len(REGIONS)]]
             argv += ["--front-port", str(ports[index])]
             metrics_port = metrics[index]
