@@ -487,3 +487,32 @@ async def test_ups_control_socket_holds_a_cut_while_its_connection_is_open(
     target.close()
     await target.wait_closed()
     assert not (tmp_path / "up-ha.sock").exists()
+
+
+def test_a_stage_fault_targets_a_ready_pipelines_worker_node() -> None:
+    from events import StagePlacement
+    from gpumesh.chaos.stack import stage_holders
+    from projections.views import ReplicaView
+
+    def group(rid: str, status: str, *nodes: str) -> ReplicaView:
+        stages = tuple(StagePlacement(rank=i, node_id=n) for i, n in enumerate(nodes))
+        return ReplicaView(
+            replica_id=rid, cluster="big", node_id=nodes[0], epoch=1, status=status, stages=stages
+        )
+
+    replicas = [
+        group("big-0", "ready", "n0", "n3", "n1"),
+        group("big-1", "placed", "n2", "n4"),  # not serving yet: not a target
+        ReplicaView(replica_id="small-0", cluster="small", node_id="n5", epoch=1, status="ready"),
+    ]
+    assert stage_holders(replicas) == ["n1", "n3"]  # workers only, never the head
+    scenario = from_mapping(
+        {
+            "name": "stage",
+            "duration_s": 60,
+            "faults": [{"at_s": 1, "kind": "power_loss", "nodes": "stage"}],
+        }
+    )
+    agents = {f"n{i}": Proc(pid=100 + i, argv=("gpumesh", "agent")) for i in range(3)}
+    (step,) = plan(scenario, 1, Found(agents=agents), speed=1.0)
+    assert step["victims"] == ["a worker stage's node"]

@@ -40,7 +40,7 @@ from .kinds import (
     RESTARTS,
 )
 from .procfs import Proc, kill_workload, send_signal, workloads_of
-from .stack import SPAWN_ERRORS, NodeState, draw
+from .stack import SPAWN_ERRORS, STAGE, NodeState, draw, stage_holders
 
 if TYPE_CHECKING:
     from .run import ChaosRun
@@ -112,6 +112,18 @@ class RealFaults:
         self._background.clear()
 
     def victims(self, fault: FaultPlan) -> list[NodeState]:
+        if fault.nodes == STAGE:
+            # A node holding a ready pipeline's worker stage, as the simulator's "stage" draws.
+            held = stage_holders(self.run.checker.state.replicas.replicas.values())
+            up = [
+                self.stack.nodes[n]
+                for n in held
+                if n in self.stack.nodes and self.stack.nodes[n].powered
+            ]
+            if not up:
+                self.run.note("fault  no ready pipeline stage to strike (skipped)")
+                return []
+            return [self.rng.choice(up)]
         return draw(self.stack.nodes, fault.nodes, self.rng)
 
     # -- each kind -----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from .kinds import (
     RESTARTS,
 )
 from .procfs import Found, flag, scan
-from .stack import NodeState, draw
+from .stack import STAGE, NodeState, draw
 
 # What a planned fault leaves a node in until it ends: the state the next draws skip.
 _MARKS = {"power_loss": ("powered", False), "hang": ("hung", True)}
@@ -53,6 +53,10 @@ def plan(
         fault = step.fault
         out.append(_step(fault.kind, fault.at_s, fault.duration_s, speed, found, ha))
         if fault.kind not in NODE_FAULTS:
+            continue
+        if fault.nodes == STAGE:
+            # Drawn when it fires, among the nodes holding a ready pipeline's worker stage.
+            out[-1]["victims"] = ["a worker stage's node"]
             continue
         picked = draw(nodes, fault.nodes, rng)
         out[-1]["victims"] = [n.node_id for n in picked]

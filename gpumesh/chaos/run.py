@@ -32,7 +32,7 @@ from events.contract.messages import ApiReply, EventsRequest
 from sim.clients import TRAFFIC_AFTER_S, cluster_spec, shaped_traffic
 from sim.env import SeededStreams
 from sim.invariants import Checker, Violation
-from sim.liveness import short_in
+from sim.liveness import short_in, unplaced_groups
 from sim.run import RunResult, percentiles, request_summary
 from sim.scenario import Scenario
 from sim.world import RequestLog
@@ -48,7 +48,15 @@ if TYPE_CHECKING:
 EVENTS_POLL_S = 0.25
 NOT_REACHED = "the run did not reach the end of the settle"
 # What a real run checks (docs/chaos.md): at each event of the log, and after the settle.
-INVARIANTS_CHECKED = ("contiguous_versions", "spread", "placement_fits", "liveness")
+INVARIANTS_CHECKED = (
+    "contiguous_versions",
+    "spread",
+    "placement_fits",
+    "no_partial_group_serving",
+    "no_gpu_held_twice",
+    "liveness",
+    "group_serving_or_unschedulable",
+)
 
 
 @dataclass
@@ -329,11 +337,19 @@ class ChaosRun:
         if not judge:
             self.note(f"liveness not judged: {why}")
             return
-        for short in short_in(self.checker.state, settle_s=self.scenario.settle_s / self.speed):
-            self.checker.violations.append(
-                Violation(round(self.stamp(), 6), "liveness", short.detail)
-            )
-            self.note(f"VIOLATION liveness: {short.detail}")
+        settle_s = self.scenario.settle_s / self.speed
+        for invariant, shorts in (
+            ("liveness", short_in(self.checker.state, settle_s=settle_s)),
+            (
+                "group_serving_or_unschedulable",
+                unplaced_groups(self.checker.state, settle_s=settle_s),
+            ),
+        ):
+            for short in shorts:
+                self.checker.violations.append(
+                    Violation(round(self.stamp(), 6), invariant, short.detail)
+                )
+                self.note(f"VIOLATION {invariant}: {short.detail}")
 
     async def restore(self) -> None:
         """Leave the stack as it was found (Stack.restore), once `run` has returned."""

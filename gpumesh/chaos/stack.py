@@ -9,7 +9,7 @@ import re
 import shlex
 import signal
 import subprocess
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +37,7 @@ from .procfs import (
 )
 
 if TYPE_CHECKING:
+    from projections.views import ReplicaView
     from runtime.env import Bus, RandomSource
 
 SPAWN_ERRORS = (OSError, subprocess.SubprocessError)  # starting a process again can fail
@@ -49,6 +50,21 @@ class NodeState:
     powered: bool = True
     hung: bool = False
     gpu_fault: bool = False
+
+
+STAGE = "stage"  # a fault's `nodes`: a node holding a ready pipeline's worker stage
+
+
+def stage_holders(replicas: Iterable[ReplicaView]) -> list[str]:
+    """The nodes that hold a worker stage (rank >= 1) of a ready sharded replica, sorted."""
+    return sorted(
+        {
+            stage.node_id
+            for replica in replicas
+            if replica.status == "ready"
+            for stage in replica.stages[1:]
+        }
+    )
 
 
 def draw(nodes: dict[str, NodeState], spec: str, rng: RandomSource) -> list[NodeState]:

@@ -82,7 +82,8 @@ async def test_chaos_plays_the_leaders_and_a_nats_servers_loss_against_up_ha(
         result = json.loads(done.stdout)
         assert result["violations"] == [] and result["crashed"] == [], err
         assert result["invariants_checked"] == [
-            "contiguous_versions", "spread", "placement_fits", "liveness"
+            "contiguous_versions", "spread", "placement_fits", "no_partial_group_serving",
+            "no_gpu_held_twice", "liveness", "group_serving_or_unschedulable",
         ]  # fmt: skip
         timeline = "\n".join(result["timeline"])
         assert "cluster echo exists (3 replicas): left as it is" in timeline
