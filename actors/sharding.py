@@ -29,19 +29,24 @@ Time per token (one decode step, memory-bandwidth bound): each stage reads its s
 weights and of the KV budget once per step, at its GPUs' memory bandwidth (`BANDWIDTH_GBS` by
 model name, `DEFAULT_BANDWIDTH_GBS` for the rest), the tensor-parallel GPUs of a stage in
 parallel; the stages run one after another; each boundary between stages adds the activations
-of the step (`hidden_size` x 2 bytes x sequences) over `link_gbps` plus `link_rtt_ms`.
+of the step (`hidden_size` x 2 bytes x sequences) over the link's throughput plus its round
+trip: the link as measured (the fleet's link view, projections/links.py) where it has been,
+else the spec's `link_gbps` and `link_rtt_ms`; the slowest boundary counts for every one.
+Among pipelines of as many stages and GPUs, the lowest estimate wins, then the most usable
+memory.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from events import Candidate, ClusterSpec, GpuRequirement, ShardingSpec, StagePlacement
-from projections.views import NodeView, ReplicaView
+from projections.views import Links, NodeView, ReplicaView
 
 # The scheduler's filters and its view of taken GPUs, reused so that a plan and a placement
 # refuse the same nodes for the same reasons.
@@ -68,6 +73,7 @@ __all__ = [
     "ShardPlan",
     "Stage",
     "bandwidth_gbs",
+    "group_estimate",
     "kv_cache_bytes",
     "place_group",
     "plan",
@@ -122,6 +128,11 @@ DEFAULT_BANDWIDTH_GBS = 500.0
 TENSOR_DEGREES = (1, 2, 4, 8)  # GPUs in a tensor-parallel group: they must divide the heads
 MAX_STAGES = 8
 LISTED = 20  # rejected alternatives listed by name; the rest are counted
+# A pipeline search over at most this many eligible nodes tries every selection (up to
+# MAX_SELECTIONS of them), so that measured links can rank them; over a larger fleet it keeps
+# to the nodes with the most memory of each size (`_selections`).
+ENUMERATE_NODES = 16
+MAX_SELECTIONS = 4096
 
 
 class Stage(msgspec.Struct, frozen=True, kw_only=True):
@@ -172,20 +183,24 @@ def place_group(
     *,
     avoid: Collection[str] = (),
     now_ns: int = 0,
+    links: Links | None = None,
+    because: str = "",
 ) -> tuple[Placement | NoFit, tuple[StagePlacement, ...]]:
     """A placement of one replica of a `[sharding]` spec by its plan: the head's node and GPUs
     (a one-node plan's only ones) and, for a pipeline, every stage in rank order; or NoFit with
     the plan's reason. The alternatives the plan rejected are the placement's candidates.
-    `avoid`: nodes it must not use (the scheduler's hard filter)."""
-    found = plan(spec, nodes, placements, avoid=avoid, now_ns=now_ns)
+    `avoid`: nodes it must not use (the scheduler's hard filter). `links`: the fleet's
+    measured links. `because`: why it is placed, put before the plan's `why`."""
+    found = plan(spec, nodes, placements, avoid=avoid, now_ns=now_ns, links=links)
     candidates = tuple(
         Candidate(node_id="+".join(r.nodes) or "-", rejected=r.reason) for r in found.rejected
     )
     if isinstance(found, NoPlan):
         return NoFit(reason=found.reason, candidates=candidates), ()
     head = found.stages[0]
+    why = f"{because}; {found.why}" if because else found.why
     placement = Placement(
-        node_id=head.node_id, gpu_indices=head.gpu_indices, why=found.why, candidates=candidates
+        node_id=head.node_id, gpu_indices=head.gpu_indices, why=why, candidates=candidates
     )
     if len(found.stages) == 1:
         return placement, ()
@@ -200,6 +215,36 @@ def place_group(
         for rank, st in enumerate(found.stages)
     )
     return placement, stages
+
+
+def group_estimate(
+    spec: ClusterSpec,
+    replica: ReplicaView,
+    nodes: Mapping[str, NodeView],
+    links: Links | None,
+) -> tuple[ShardPlan, str] | None:
+    """A placed pipeline's plan estimated again with the links as they are now measured, and
+    why it is over the spec's `max_token_latency_ms` ('' while within); None for a replica of
+    one stage, or one whose stages' nodes or GPUs are not known."""
+    s = spec.sharding
+    if s is None or len(replica.stages) < 2:
+        return None
+    weights, kv = weights_bytes(s), kv_cache_bytes(s)
+    ctx = _Ctx(spec, s, weights + kv, weights, kv, s.layers, [], links)
+    groups: list[_Unit] = []
+    split: list[int] = []
+    for stage in sorted(replica.stages, key=lambda st: st.rank):
+        node = nodes.get(stage.node_id)
+        gpus = [g for g in node.gpus if g.index in stage.gpu_indices] if node else []
+        if not gpus or stage.last_layer <= stage.first_layer:
+            return None
+        vram = min(g.vram_mib for g in gpus)
+        groups.append(_Unit(stage.node_id, gpus[0].model, stage.gpu_indices, vram))
+        split.append(stage.last_layer - stage.first_layer)
+    if sum(split) != ctx.layers:
+        return None
+    estimate = _make_plan(ctx, groups, split)
+    return estimate, _over_bound(ctx, estimate)
 
 
 def weights_bytes(s: ShardingSpec) -> int:
@@ -241,6 +286,26 @@ class _Unit:
         return self.count * self.vram_mib * MIB * HEADROOM_NUM // HEADROOM_DEN
 
 
+@dataclass(frozen=True, slots=True)
+class _Hop:
+    """One boundary between consecutive stages: its link's figures and the time a token's
+    activations take over it."""
+
+    a: str
+    b: str
+    ms: float
+    rtt_ms: float
+    gbps: float
+    measured: bool
+
+    def describe(self) -> str:
+        how = "measured" if self.measured else "assumed"
+        return (
+            f"{self.a}-{self.b} {self.ms:.2f} ms ({how} {self.rtt_ms:.2f} ms round trip, "
+            f"{self.gbps:g} Gbit/s)"
+        )
+
+
 @dataclass(slots=True)
 class _Ctx:
     spec: ClusterSpec
@@ -250,12 +315,20 @@ class _Ctx:
     kv: int
     layers: int
     rejected: list[Rejected]
+    links: Links | None = None
 
-    def link_ms(self) -> float:
+    def hop(self, a: str, b: str) -> _Hop:
+        """The boundary between stages on `a` and `b`: the link as measured, else assumed."""
         hidden = self.s.hidden_size or DEFAULT_HIDDEN_SIZE
         batch = max(1, self.s.concurrent_sequences)
         bits = hidden * ACTIVATION_BYTES * batch * 8
-        return bits / (self.s.link_gbps * 1e9) * 1e3 + self.s.link_rtt_ms
+        seen = self.links.link(a, b) if self.links is not None else None
+        if seen is not None and seen.gbps > 0:
+            rtt, gbps, measured = seen.rtt_ms, seen.gbps, True
+        else:
+            rtt, gbps, measured = self.s.link_rtt_ms, self.s.link_gbps, False
+        ms = bits / (gbps * 1e9) * 1e3 + rtt
+        return _Hop(a, b, ms, rtt, gbps, measured)
 
 
 def plan(
@@ -265,15 +338,17 @@ def plan(
     *,
     avoid: Collection[str] = (),
     now_ns: int = 0,
+    links: Links | None = None,
 ) -> ShardPlan | NoPlan:
     """Plan one replica of `spec` on the fleet as it is; `spec.sharding` must be set.
     `now_ns`: the wall clock, for cordons that end (0: every recorded cordon holds). `avoid`:
-    nodes it must not use, refused as the scheduler refuses them."""
+    nodes it must not use, refused as the scheduler refuses them. `links`: the fleet's link
+    view; a pair it has not measured is taken at the spec's `link_gbps` and `link_rtt_ms`."""
     s = spec.sharding
     if s is None:
         return NoPlan(cluster=spec.name, reason=f"{spec.name} has no [sharding] section")
     weights, kv = weights_bytes(s), kv_cache_bytes(s)
-    ctx = _Ctx(spec, s, weights + kv, weights, kv, s.layers, [])
+    ctx = _Ctx(spec, s, weights + kv, weights, kv, s.layers, [], links)
     units = _units(ctx, nodes, placements, now_ns, avoid)
     found = _one_node(ctx, units)
     if found is None and "pipeline" in s.parallelism and s.layers >= 2:
@@ -377,9 +452,11 @@ def _over_bound(ctx: _Ctx, p: ShardPlan) -> str:
     if bound <= 0 or p.token_ms <= bound:
         return ""
     slow = "a link too slow: " if p.link_ms > p.compute_ms else "too slow: "
+    slowest = _slowest(_hops(ctx, p.stages))
+    link = f"; slowest link {slowest.describe()}" if slowest is not None else ""
     return (
         f"{slow}estimated {p.token_ms:.2f} ms per token > max_token_latency_ms {bound:g} "
-        f"(compute {p.compute_ms:.2f} ms + links {p.link_ms:.2f} ms)"
+        f"(compute {p.compute_ms:.2f} ms + links {p.link_ms:.2f} ms{link})"
     )
 
 
@@ -402,22 +479,44 @@ def _pipeline(ctx: _Ctx, units: dict[str, list[_Unit]]) -> ShardPlan | None:
     }
     most = min(MAX_STAGES, ctx.layers, len(groups_by_node))
     for k in range(2, most + 1):
-        candidates: list[ShardPlan] = []
-        for groups in _selections(ctx, groups_by_node, k):
+        ranked: list[tuple[int, float, int, tuple[str, ...], int, ShardPlan]] = []
+        for i, groups in enumerate(_selections(ctx, groups_by_node, k)):
+            names = tuple(g.node_id for g in groups)
             split = _split(ctx, groups)
             if isinstance(split, str):
-                names = tuple(g.node_id for g in groups)
                 count = sum(g.count for g in groups)
                 ctx.rejected.append(Rejected(nodes=names, gpus=count, reason=split))
                 continue
-            candidates.append(_make_plan(ctx, groups, split))
-        found = _first_within_bound(ctx, candidates)
+            p = _make_plan(ctx, groups, split)
+            ranked.append((p.gpus, p.token_ms, -sum(g.cap for g in groups), names, i, p))
+        # The fewest GPUs, then the lowest estimate (measured links count here), then the
+        # most usable memory, then the node ids.
+        ranked.sort(key=lambda r: r[:5])
+        found = _first_within_bound(ctx, [r[5] for r in ranked])
         if found is not None:
             return found
     return None
 
 
 def _selections(ctx: _Ctx, groups_by_node: dict[str, list[_Unit]], k: int) -> list[list[_Unit]]:
+    """For `k` stages on `k` nodes, the selections that hold the model, stages by node id:
+    every one (up to MAX_SELECTIONS tried) where at most ENUMERATE_NODES nodes are eligible,
+    so that the estimate with measured links can rank them; else `_most_memory`'s."""
+    if len(groups_by_node) > ENUMERATE_NODES:
+        return _most_memory(ctx, groups_by_node, k)
+    found: list[list[_Unit]] = []
+    tried = 0
+    for names in itertools.combinations(sorted(groups_by_node), k):
+        for choice in itertools.product(*(groups_by_node[n] for n in names)):
+            tried += 1
+            if sum(g.cap for g in choice) >= ctx.need:
+                found.append(list(choice))
+            if tried >= MAX_SELECTIONS:
+                return found
+    return found
+
+
+def _most_memory(ctx: _Ctx, groups_by_node: dict[str, list[_Unit]], k: int) -> list[list[_Unit]]:
     """For `k` stages on `k` nodes: per total GPU count, ascending, the selection with the
     most usable memory that holds the model, stages by node id.
 
@@ -498,7 +597,9 @@ def _make_plan(ctx: _Ctx, groups: Sequence[_Unit], split: Sequence[int]) -> Shar
         )
         first += n
     compute = sum(st.compute_ms for st in stages)
-    link = ctx.link_ms() * (len(stages) - 1)
+    hops = _hops(ctx, stages)
+    # Every boundary taken at the slowest one's time: the docs' formula, (stages - 1) x t_l.
+    link = max((h.ms for h in hops), default=0.0) * len(hops)
     gpus = sum(g.count for g in groups)
     plan = ShardPlan(
         cluster=ctx.spec.name,
@@ -512,10 +613,36 @@ def _make_plan(ctx: _Ctx, groups: Sequence[_Unit], split: Sequence[int]) -> Shar
         link_ms=round(link, 3),
         why="",
     )
-    return msgspec.structs.replace(plan, why=_why(ctx, plan))
+    return msgspec.structs.replace(plan, why=_why(ctx, plan, hops))
 
 
-def _why(ctx: _Ctx, p: ShardPlan) -> str:
+def _hops(ctx: _Ctx, stages: Sequence[Stage]) -> list[_Hop]:
+    return [ctx.hop(a.node_id, b.node_id) for a, b in itertools.pairwise(stages)]
+
+
+def _slowest(hops: Sequence[_Hop]) -> _Hop | None:
+    """The slowest boundary (the first of equals, in rank order)."""
+    slowest: _Hop | None = None
+    for h in hops:
+        if slowest is None or h.ms > slowest.ms:
+            slowest = h
+    return slowest
+
+
+def _links_note(hops: Sequence[_Hop]) -> str:
+    slowest = _slowest(hops)
+    if slowest is None:
+        return ""
+    assumed = sum(not h.measured for h in hops)
+    note = f"; slowest link {slowest.describe()}"
+    if assumed == len(hops):
+        note += ", no link measured yet: the spec's link_gbps and link_rtt_ms assumed"
+    elif assumed:
+        note += f", {assumed} of {len(hops)} links not measured yet: assumed from the spec"
+    return note
+
+
+def _why(ctx: _Ctx, p: ShardPlan, hops: Sequence[_Hop] = ()) -> str:
     held = f"{_gib(ctx.need)} GiB ({_gib(ctx.weights)} weights + {_gib(ctx.kv)} KV cache)"
     if len(p.stages) == 1:
         st = p.stages[0]
@@ -530,7 +657,7 @@ def _why(ctx: _Ctx, p: ShardPlan) -> str:
         where = f"{len(p.stages)} pipeline stages: " + ", ".join(parts)
     return (
         f"{held} on {where}; estimated {p.token_ms:.2f} ms per token "
-        f"(compute {p.compute_ms:.2f} ms + links {p.link_ms:.2f} ms)"
+        f"(compute {p.compute_ms:.2f} ms + links {p.link_ms:.2f} ms){_links_note(hops)}"
     )
 
 

@@ -53,10 +53,12 @@ from .memory_store import MemoryEventStore as MemoryEventStore
 from .node import (
     GpuInfo as GpuInfo,
     GpuMetrics as GpuMetrics,
+    LinkMeasurement as LinkMeasurement,
     NodeCordoned as NodeCordoned,
     NodeDrained as NodeDrained,
     NodeHealthChanged as NodeHealthChanged,
     NodeHeartbeat as NodeHeartbeat,
+    NodeLinksMeasured as NodeLinksMeasured,
     NodeRegistered as NodeRegistered,
     NodeRemoved as NodeRemoved,
     NodeUncordoned as NodeUncordoned,

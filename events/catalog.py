@@ -24,6 +24,7 @@ from .node import (
     NodeDrained,
     NodeHealthChanged,
     NodeHeartbeat,
+    NodeLinksMeasured,
     NodeRegistered,
     NodeRemoved,
     NodeUncordoned,
@@ -49,6 +50,7 @@ NodeEvent: TypeAlias = (
     | NodeCordoned
     | NodeUncordoned
     | NodeRemoved
+    | NodeLinksMeasured
 )
 ClusterEvent: TypeAlias = (
     ClusterCreated
@@ -82,6 +84,7 @@ EVENT_TYPES: tuple[type[DomainEvent], ...] = (
     NodeCordoned,
     NodeUncordoned,
     NodeRemoved,
+    NodeLinksMeasured,
     ClusterCreated,
     ClusterSpecChanged,
     ClusterScaled,
@@ -116,7 +119,11 @@ _NODE_TYPES = (
 # Heartbeats have a stream of their own beside `node/<id>`: the controller records them in
 # batches, one append for many nodes, without taking a turn in each NodeActor's mailbox, and
 # the NodeActor, which owns `node/<id>` and its decisions, never races those appends.
-STREAM_KINDS = ("node", "heartbeat", "cluster", "replica", "controller", "leadership")
+# A node's link measurements have one too (`links/<id>`), written by the controller's link
+# survey (actors/link_survey.py), for the same reason.
+STREAM_KINDS = (
+    "node", "heartbeat", "links", "cluster", "replica", "controller", "leadership",
+)  # fmt: skip
 _CLUSTER_SPEC_TYPES = (ClusterCreated, ClusterSpecChanged)
 _CLUSTER_NAMED_TYPES = (
     ClusterScaled,
@@ -139,6 +146,8 @@ def stream_of(event: DomainEvent) -> str:
     """The stream an event belongs to; an append to any other stream is refused."""
     if isinstance(event, NodeHeartbeat):
         return f"heartbeat/{event.node_id}"
+    if isinstance(event, NodeLinksMeasured):
+        return f"links/{event.node_id}"
     if isinstance(event, _NODE_TYPES):
         return f"node/{event.node_id}"
     if isinstance(event, _CLUSTER_SPEC_TYPES):
@@ -156,8 +165,8 @@ def stream_name(kind: str, ident: str) -> str:
     """Build `kind/ident`, refusing ids that cannot appear in a NATS subject."""
     if kind not in STREAM_KINDS:
         raise InvalidAppend(
-            f"unknown stream kind {kind!r}: expected node, heartbeat, cluster, replica, "
-            "controller or leadership"
+            f"unknown stream kind {kind!r}: expected node, heartbeat, links, cluster, "
+            "replica, controller or leadership"
         )
     if not valid_id(ident):
         raise InvalidAppend(f"invalid {kind} id {ident!r}: use 1-128 of [A-Za-z0-9_-]")
@@ -170,8 +179,8 @@ def check_stream(stream: str) -> None:
     kind, sep, ident = stream.partition("/")
     if not sep:
         raise InvalidAppend(
-            f"invalid stream {stream!r}: expected node/<id>, heartbeat/<id>, cluster/<name>, "
-            "replica/<id>, controller/<id> or leadership/terms"
+            f"invalid stream {stream!r}: expected node/<id>, heartbeat/<id>, links/<id>, "
+            "cluster/<name>, replica/<id>, controller/<id> or leadership/terms"
         )
     stream_name(kind, ident)
     if len(_VALID_STREAMS) >= _VALID_STREAMS_KEPT:

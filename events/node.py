@@ -162,3 +162,27 @@ class NodeRemoved(
 ):
     node_id: str
     reason: str = ""
+
+
+class LinkMeasurement(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One link as a node measured it to a peer (nodeagent/link_probe.py, docs/sharding.md):
+    the median round trip of small pings, and the throughput of a timed push of bytes."""
+
+    peer: str
+    rtt_ms: float = 0.0
+    gbps: float = 0.0
+    error: str = ""  # why it could not be measured (rtt_ms and gbps are 0 then)
+
+
+class NodeLinksMeasured(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="node.links_measured.v1"
+):
+    """A node's links to some peers, measured on the controller's request. In the node's
+    stream of links, `links/<node_id>`, apart from `node/<node_id>` (whose NodeActor owns it),
+    as heartbeats are. `endpoint`: where the node's link responder listens (host:port), which
+    its peers dial to measure their links to it."""
+
+    node_id: str
+    endpoint: str = ""
+    method: str = ""  # how it was measured, e.g. "tcp: median of 5 pings, 1048576 bytes"
+    links: tuple[LinkMeasurement, ...] = ()

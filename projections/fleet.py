@@ -12,7 +12,7 @@ import msgspec
 
 from events import Envelope, Undecodable
 
-from . import clusters, node_registry, replicas, routing
+from . import clusters, links, node_registry, replicas, routing
 from .views import FleetState
 
 SNAPSHOT_SCHEMA = "fleet-state.v1"
@@ -39,9 +39,14 @@ def _routing(s: FleetState, e: Envelope) -> object:
     return routing.apply(s.routing, e)
 
 
+def _links(s: FleetState, e: Envelope) -> object:
+    return links.apply(s.links, e)
+
+
 # Which folds care about which stream family, so a heartbeat touches only the registry.
 _BY_FAMILY: dict[str, tuple[Fold, ...]] = {
-    "node": (_nodes, _routing),
+    "node": (_nodes, _routing, _links),
+    "links": (_links,),
     "cluster": (_clusters, _routing),
     "replica": (_replicas, _clusters, _routing),
 }

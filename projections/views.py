@@ -122,6 +122,27 @@ class RoutingTable(msgspec.Struct, kw_only=True):
     unroutable_nodes: dict[str, str] = {}  # node_id -> why (offline, unhealthy, removed)
 
 
+class LinkView(msgspec.Struct, kw_only=True):
+    """A link between two nodes as last measured (node.links_measured.v1), either way: a
+    pipeline's activations cross it one way and the sampled token the other."""
+
+    rtt_ms: float
+    gbps: float
+    measured_by: str  # the node that measured it
+    measured_at: int = 0  # recorded_at of the measurement, ns
+    position: int = 0  # its position in the log
+
+
+class Links(msgspec.Struct, kw_only=True):
+    """The fleet's link view (projections/links.py)."""
+
+    endpoints: dict[str, str] = {}  # node -> its link responder's host:port
+    links: dict[str, dict[str, LinkView]] = {}  # node -> peer -> the link (both directions)
+
+    def link(self, a: str, b: str) -> LinkView | None:
+        return self.links.get(a, {}).get(b)
+
+
 class FleetState(msgspec.Struct, kw_only=True):
     """Every projection together, plus where in the log the fold has got to."""
 
@@ -130,4 +151,5 @@ class FleetState(msgspec.Struct, kw_only=True):
     clusters: Clusters = msgspec.field(default_factory=Clusters)
     replicas: Replicas = msgspec.field(default_factory=Replicas)
     routing: RoutingTable = msgspec.field(default_factory=RoutingTable)
+    links: Links = msgspec.field(default_factory=Links)
     undecodable: list[int] = []  # positions kept raw and skipped

@@ -21,9 +21,11 @@ from events import (
     Envelope,
     GpuInfo,
     GpuMetrics,
+    LinkMeasurement,
     NodeDrained,
     NodeHealthChanged,
     NodeHeartbeat,
+    NodeLinksMeasured,
     NodeRegistered,
     NodeRemoved,
     ReplicaFailed,
@@ -98,6 +100,21 @@ node_events = st.one_of(
     ),
     st.builds(NodeDrained, node_id=node_ids),
     st.builds(NodeRemoved, node_id=node_ids),
+    st.builds(
+        NodeLinksMeasured,
+        node_id=node_ids,
+        endpoint=st.sampled_from(["", "10.0.0.1:7400"]),
+        links=st.lists(
+            st.builds(
+                LinkMeasurement,
+                peer=node_ids,
+                rtt_ms=st.floats(0, 500, allow_nan=False),
+                gbps=st.floats(0.01, 100, allow_nan=False),
+                error=st.sampled_from(["", "", "connection refused"]),
+            ),
+            max_size=3,
+        ).map(tuple),
+    ),
 )
 
 cluster_events = st.one_of(

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypeAlias
 import msgspec
 
 from events.cluster import ClusterSpec
-from events.node import GpuInfo, GpuMetrics
+from events.node import GpuInfo, GpuMetrics, LinkMeasurement
 
 ReplicaRunState = Literal["starting", "ready", "failed", "stopped"]
 
@@ -208,6 +208,49 @@ class FaultReply(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="fault_reply.v1"
 ):
     ok: bool
+    error: str = ""
+
+
+# Bounds of a links request: a node measures at most this many peers per request, and
+# pushes at most this many bytes to each (nodeagent/link_probe.py refuses more).
+LINKS_MAX_PEERS = 64
+LINKS_MAX_PUSH_BYTES = 64 * 1024 * 1024
+LINKS_MAX_PINGS = 50
+
+
+class LinkPeer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A peer to measure the link to: its node id and its link responder's `host:port`."""
+
+    node_id: str
+    endpoint: str
+
+
+class LinksRequest(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="links_request.v1"
+):
+    """Controller -> agent, request/reply: measure your links to `peers` (their responders,
+    directly, as pipeline stages reach each other), `pings` round trips of a few bytes each
+    and one push of `push_bytes`; each peer's measurement gives up after `timeout_s`. An empty
+    `peers` asks only where this node's responder listens."""
+
+    peers: tuple[LinkPeer, ...] = ()
+    pings: int = 5
+    push_bytes: int = 1024 * 1024
+    timeout_s: float = 2.0
+
+
+class LinksReply(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, tag="links_reply.v1"
+):
+    """Agent -> controller: the measurements, in the request's order, and where this node's
+    link responder listens (`host:port`; "" when it runs none). `ok` false: the request was
+    refused whole (`error`, one line)."""
+
+    ok: bool
+    node_id: str = ""
+    endpoint: str = ""
+    method: str = ""
+    links: tuple[LinkMeasurement, ...] = ()
     error: str = ""
 
 

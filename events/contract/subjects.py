@@ -106,6 +106,11 @@ def fault(node_id: str) -> str:
     return f"{PREFIX}.node.{node_id}.fault"
 
 
+def links(node_id: str) -> str:
+    """Controller -> agent, request/reply: measure your links to these peers (LinksRequest)."""
+    return f"{PREFIX}.node.{node_id}.links"
+
+
 def tunnel(node_id: str) -> str:
     return f"{PREFIX}.node.{node_id}.tunnel"
 
@@ -115,11 +120,12 @@ def event(stream: str) -> str:
 
     A node's heartbeats (stream `heartbeat/gpu-1`) are published on its node subject, as they
     were before they had a stream of their own: `events.node.gpu-1` still carries everything
-    about the node, and the envelope's `stream` tells the two apart.
+    about the node, and the envelope's `stream` tells the two apart. Its link measurements
+    (`links/gpu-1`) too.
     """
     check_stream(stream)
     kind, _, ident = stream.partition("/")
-    if kind == "heartbeat":
+    if kind in ("heartbeat", "links"):
         kind = "node"
     return f"{PREFIX}.events.{kind}.{ident}"
 

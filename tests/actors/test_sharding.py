@@ -12,6 +12,7 @@ from actors.sharding import (
     NoPlan,
     ShardPlan,
     bandwidth_gbs,
+    group_estimate,
     kv_cache_bytes,
     plan,
     weights_bytes,
@@ -19,7 +20,7 @@ from actors.sharding import (
 from actors.spec import SpecError, parse_toml
 from events import ClusterSpec, GpuInfo, GpuRequirement, ShardingSpec, StagePlacement
 from events.codec import decode_payload
-from projections.views import NodeView, ReplicaView
+from projections.views import Links, LinkView, NodeView, ReplicaView
 
 GB24, GB80 = 24564, 81559  # MiB: an RTX 4090, an H100 80GB
 
@@ -308,3 +309,82 @@ def test_a_cordon_holds_until_its_end() -> None:
         "cordoned until 1970-01-01T00:00:00.000001Z: kernel upgrade"
     ]
     assert fits(plan(spec(), [h100], [], now_ns=2_000)).stages[0].node_id == "h"
+
+
+def links(*pairs: tuple[str, str, float, float]) -> Links:
+    """A link view with (a, b, rtt_ms, gbps) measured, both ways."""
+    view = Links()
+    for a, b, rtt, gbps in pairs:
+        link = LinkView(rtt_ms=rtt, gbps=gbps, measured_by=a)
+        view.links.setdefault(a, {})[b] = link
+        view.links.setdefault(b, {})[a] = link
+    return view
+
+
+def test_a_measured_link_replaces_the_assumed_one() -> None:
+    measured = links(("a", "b", 0.2, 10.0))
+    p = fits(plan(spec(), [node("a"), node("b")], [], links=measured))
+    # 131,072 bits at 10 Gbit/s = 0.0131 ms, plus the 0.2 ms round trip.
+    assert p.link_ms == pytest.approx(0.213, abs=1e-3)
+    assert p.token_ms == pytest.approx(36.054 + 0.213, abs=1e-3)
+    assert "slowest link a-b 0.21 ms (measured 0.20 ms round trip, 10 Gbit/s)" in p.why
+    assumed = fits(plan(spec(), [node("a"), node("b")], []))
+    assert "no link measured yet: the spec's link_gbps and link_rtt_ms assumed" in assumed.why
+
+
+def test_a_fast_pair_is_preferred_over_a_slow_pair() -> None:
+    # Four equal cards: by memory and node id the pair a-b would win; its link is slow.
+    fleet = [node("a"), node("b"), node("c"), node("d")]
+    measured = links(("a", "b", 30.0, 1.0), ("c", "d", 0.5, 10.0), ("a", "c", 30.0, 1.0))
+    p = fits(plan(spec(), fleet, [], links=measured))
+    # c-d's measured 0.5 ms beats the pairs whose links are assumed (1 ms) or slow (30 ms).
+    assert [s.node_id for s in p.stages] == ["c", "d"]
+    assert p.token_ms == pytest.approx(36.054 + 0.513, abs=1e-3)
+    lost = {r.nodes: r.reason for r in p.rejected}
+    assert lost[("a", "b")] == "fits, but 66.19 ms per token against 36.57"
+    assert lost[("b", "c")] == "fits, but 37.19 ms per token against 36.57"
+
+
+def test_the_fast_pair_wins_when_every_other_link_is_slow() -> None:
+    fleet = [node("a"), node("b"), node("c"), node("d")]
+    slow = [(x, y, 30.0, 1.0) for x, y in (("a", "b"), ("a", "c"), ("a", "d"), ("b", "c"))]
+    measured = links(*slow, ("b", "d", 30.0, 1.0), ("c", "d", 0.5, 10.0))
+    p = fits(plan(spec(), fleet, [], links=measured))
+    assert [s.node_id for s in p.stages] == ["c", "d"]
+
+
+def test_a_plan_too_slow_on_its_measured_links_is_refused_with_the_figures() -> None:
+    bounded = msgspec.structs.replace(LLAMA70_INT4, max_token_latency_ms=50)
+    fleet = [node("a"), node("b")]
+    assert isinstance(plan(spec(bounded), fleet, []), ShardPlan)  # assumed: 37.19 ms fits
+    measured = links(("a", "b", 20.0, 0.5))
+    result = plan(spec(bounded), fleet, [], links=measured)
+    assert isinstance(result, NoPlan)
+    assert (
+        "too slow: estimated 56.32 ms per token > max_token_latency_ms 50 "
+        "(compute 36.05 ms + links 20.26 ms; slowest link a-b 20.26 ms "
+        "(measured 20.00 ms round trip, 0.5 Gbit/s))"
+    ) in result.reason
+
+
+def test_group_estimate_of_a_placed_pipeline_with_its_links_now() -> None:
+    bounded = msgspec.structs.replace(LLAMA70_INT4, max_token_latency_ms=50)
+    nodes = {"a": node("a"), "b": node("b")}
+    group = ReplicaView(
+        replica_id="llama-0",
+        cluster="llama",
+        node_id="a",
+        epoch=1,
+        gpu_indices=(0,),
+        stages=(
+            StagePlacement(rank=0, node_id="a", gpu_indices=(0,), first_layer=0, last_layer=40),
+            StagePlacement(rank=1, node_id="b", gpu_indices=(0,), first_layer=40, last_layer=80),
+        ),
+    )
+    fine = group_estimate(spec(bounded), group, nodes, None)
+    assert fine is not None and fine[0].token_ms == 37.185 and fine[1] == ""
+    slow = group_estimate(spec(bounded), group, nodes, links(("a", "b", 20.0, 0.5)))
+    assert slow is not None and slow[1].startswith("too slow: estimated 56.32 ms per token")
+    one = ReplicaView(replica_id="x", cluster="llama", node_id="a", epoch=1, gpu_indices=(0,))
+    assert group_estimate(spec(bounded), one, nodes, None) is None
+    assert group_estimate(spec(bounded), group, {"a": node("a")}, None) is None
