@@ -19,6 +19,9 @@ import msgspec
 from events.cluster import ClusterSpec
 from events.contract import subjects
 from events.contract.messages import (
+    LINKS_MAX_PEERS,
+    LINKS_MAX_PINGS,
+    LINKS_MAX_PUSH_BYTES,
     Fault,
     FaultReply,
     Heartbeat,
@@ -26,6 +29,8 @@ from events.contract.messages import (
     LeaderRecord,
     Leaving,
     LeavingReply,
+    LinksReply,
+    LinksRequest,
     PullImage,
     Register,
     RegisterReply,
@@ -44,6 +49,7 @@ from wire.sealing import NodeKey, SealingError, aad, open_sealed
 from .config import AgentConfig
 from .fencing_front import DirectFront, front_path
 from .gpu.probe import FaultInjectable, GpuProbe, ProbeError
+from .link_probe import LinkProbing, describe, measure
 from .metrics import AgentCounters
 from .model_cache import CACHE_SCAN_S, cached_models
 from .replica import ReplicaRunner, http_address
@@ -54,6 +60,8 @@ from .workload.base import WorkloadDriver, WorkloadStartError
 _REGISTER_REPLY = msgspec.json.Decoder(RegisterReply)
 _LEAVING_REPLY = msgspec.json.Decoder(LeavingReply)
 _FAULT = msgspec.json.Decoder(Fault)
+_LINKS = msgspec.json.Decoder(LinksRequest)
+_LINKS_MAX_TIMEOUT_S = 30.0
 _HEARTBEAT_ACK = msgspec.json.Decoder(HeartbeatAck)
 _LEASE_SEQS_KEPT = 32  # heartbeats whose ack may still arrive
 
@@ -104,6 +112,7 @@ class Agent:
         read_lease: LeaseReader | None = None,
         key: NodeKey | None = None,
         list_cache: CacheLister | None = None,
+        links: LinkProbing | None = None,
     ) -> None:
         """`read_lease`: the leader lease's record now, read through the lease stream's
         leader (wire/lease_read.py; None when nobody holds it). With it, an agent whose
@@ -112,8 +121,11 @@ class Agent:
         X25519 key pair, which the controller seals a replica's secrets to (wire/sealing.py);
         without one the agent registers as an older agent, and is sent no secrets.
         `list_cache`: what the model cache holds (default: nodeagent/model_cache.py, in a
-        thread; the simulator has no threads, so its tests pass their own)."""
+        thread; the simulator has no threads, so its tests pass their own). `links`: how it
+        measures its links to peers and answers theirs (nodeagent/link_probe.py; None: it
+        measures none, and does not answer the controller's links requests)."""
         self.key = key
+        self.links = links
         self._list_cache = list_cache or _list_in_thread
         self._env = env.bind(node=config.node_id)
         self._read_lease = read_lease
@@ -218,6 +230,11 @@ class Agent:
                 group.create_task(self.front.run(), name="agent front")
                 await self.front.listening.wait()  # before any replica is advertised
                 self._front_base = http_address(self.config.address, self.front.port)
+            if self.links is not None:
+                if self.links.responder is not None:
+                    group.create_task(self.links.responder.run(), name="agent link responder")
+                    await self.links.responder.listening.wait()
+                group.create_task(self._serve_links(), name="agent links")
             group.create_task(self._leave_when_told(), name="agent leaving")
             group.create_task(self._registration(), name="agent registration")
             if self.config.model_cache or self._image_lister() is not None:
@@ -809,6 +826,67 @@ class Agent:
             return f"undecodable reply: {exc}"
         return "" if reply.accepted else reply.error or "refused"
 
+    # Links (docs/sharding.md, Measuring links).
+
+    async def _serve_links(self) -> None:
+        """Answer the controller's links requests on this node's own subject, one at a time."""
+        subject = subjects.links(self.config.node_id)
+        while True:
+            try:
+                subscription = await self._env.bus.subscribe(subject)
+            except BusError as exc:
+                self._log.warning("links_subscribe_failed", error=str(exc))
+                await asyncio.sleep(_RETRY_S)
+                continue
+            try:
+                async for msg in subscription:
+                    reply = await self.measure_links(msg.data)
+                    if msg.reply:
+                        try:
+                            await self._env.bus.publish(msg.reply, msgspec.json.encode(reply))
+                        except BusError as exc:
+                            self._log.warning("links_reply_failed", error=str(exc))
+            finally:
+                await subscription.unsubscribe()
+
+    async def measure_links(self, data: bytes) -> LinksReply:
+        """Measure the links a LinksRequest names, one peer after the other; a request that
+        does not decode or is out of bounds is refused whole, in one line."""
+        node_id = self.config.node_id
+        if self.links is None:
+            return LinksReply(ok=False, node_id=node_id, error="this agent measures no links")
+        try:
+            request = _LINKS.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._log.warning("links_request_undecodable", error=str(exc))
+            return LinksReply(ok=False, node_id=node_id, error=f"undecodable links request: {exc}")
+        bad = _links_out_of_bounds(request)
+        if bad:
+            self._log.warning("links_request_refused", error=bad)
+            return LinksReply(ok=False, node_id=node_id, error=bad)
+        responder = self.links.responder
+        endpoint = responder.endpoint if responder is not None else ""
+        measured = []
+        for peer in request.peers:
+            measured.append(
+                await measure(
+                    self.links.dialer,
+                    peer,
+                    pings=request.pings,
+                    push_bytes=request.push_bytes,
+                    timeout_s=request.timeout_s,
+                )
+            )
+        failed = sum(1 for m in measured if m.error)
+        self._log.info("links_measured", peers=len(measured), failed=failed)
+        return LinksReply(
+            ok=True,
+            node_id=node_id,
+            endpoint=endpoint,
+            method=describe(self.links.dialer.method, request.pings, request.push_bytes),
+            links=tuple(measured),
+        )
+
     # Faults.
 
     async def _serve_faults(self) -> None:
@@ -849,6 +927,23 @@ class Agent:
             return FaultReply(ok=False, error=str(exc))
         self._log.warning("fault_injected", kind=fault.kind, value=fault.value, gpu=fault.gpu)
         return FaultReply(ok=True)
+
+
+def _links_out_of_bounds(request: LinksRequest) -> str:
+    """Why a links request is refused ('' when it is within bounds)."""
+    if len(request.peers) > LINKS_MAX_PEERS:
+        return f"links request: {len(request.peers)} peers, at most {LINKS_MAX_PEERS}"
+    if not 1 <= request.pings <= LINKS_MAX_PINGS:
+        return f"links request: pings must be 1-{LINKS_MAX_PINGS}, got {request.pings}"
+    if not 0 <= request.push_bytes <= LINKS_MAX_PUSH_BYTES:
+        return (
+            f"links request: push_bytes must be 0-{LINKS_MAX_PUSH_BYTES}, got {request.push_bytes}"
+        )
+    if not (0 < request.timeout_s <= _LINKS_MAX_TIMEOUT_S):
+        return f"links request: timeout_s must be in (0, {_LINKS_MAX_TIMEOUT_S:g}], got " + str(
+            request.timeout_s
+        )
+    return ""
 
 
 class SecretError(WorkloadStartError):

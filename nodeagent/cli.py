@@ -29,6 +29,7 @@ from wire.commandline import add_trace_arguments
 
 from .config import AgentConfig
 from .gpu.nvml import throttle_mask, throttle_names
+from .link_probe import LinkProbing, TcpDialer, TcpResponder
 from .workload import commands as real_models, echo
 
 FAULT_KINDS = ("thermal", "driver", "ecc", "xid", "throttle", "clear")
@@ -137,6 +138,20 @@ def register_agent(commands: Any, parents: Sequence[argparse.ArgumentParser]) ->
         help="serve the front in plain HTTP to anyone who reaches it, even when NATS is "
         "secured (by default it is then mutual TLS, gateways only, with the certificate in "
         "the node's credentials; with NATS unsecured it is always plain)",
+    )
+    agent.add_argument(
+        "--link-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of this node's link responder, which peers dial to measure their links to "
+        "it for pipeline placement (default: any free one; docs/sharding.md, Measuring links)",
+    )
+    agent.add_argument(
+        "--no-link-probe",
+        action="store_true",
+        help="run no link responder and measure no links (pipelines placed with this node use "
+        "the spec's assumed link_gbps and link_rtt_ms)",
     )
     agent.add_argument(
         "--metrics-listen",
@@ -406,7 +421,14 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
             NodeKey.load_or_create, NodeKey.path(data_dir, config.node_id)
         )
         agent = Agent(
-            env, commands, probe, driver, config, read_lease=partial(read_lease, bus), key=key
+            env,
+            commands,
+            probe,
+            driver,
+            config,
+            read_lease=partial(read_lease, bus),
+            key=key,
+            links=_link_probing(args, config),
         )
         if agent.front is not None and front is not None:
             agent.front.configure(host=front[0], tls=front[1])
@@ -433,6 +455,18 @@ async def _serve(args: argparse.Namespace, config: AgentConfig, probe: Any, driv
         )
         return 1
     return 0
+
+
+def _link_probing(args: argparse.Namespace, config: AgentConfig) -> LinkProbing | None:
+    """The node's link responder, on its --address (every interface where that is not a
+    loopback address, as the front), and the TCP prober; None with --no-link-probe."""
+    if getattr(args, "no_link_probe", False):
+        return None
+    address = config.address
+    loopback = address.startswith("127.") or address in ("localhost", "::1")
+    bind = address if loopback else "0.0.0.0"
+    port = getattr(args, "link_port", 0) or 0
+    return LinkProbing(dialer=TcpDialer(), responder=TcpResponder(bind, port, address))
 
 
 def _front(args: argparse.Namespace, config: AgentConfig, creds: Any) -> tuple[str, Any] | None:
