@@ -55,7 +55,7 @@ from .errors import ControllerError
 from .live_state import LiveState
 from .replica_actor import ACTIVE, Fail, Place, ReplicaMsg, Stop
 from .scheduler import RELEASED, NoFit, Placement, schedule
-from .sharding import place_group
+from .sharding import group_estimate, place_group
 
 
 class ClusterError(ControllerError, ValueError):
@@ -548,13 +548,15 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         """Step 2: bring the count in service on good nodes up to the desired number. Returns
         how many were placed, and `mine` as it is afterwards (new replicas last)."""
         fleet = self.fleet.live.state
-        nodes = fleet.nodes.nodes
-        serving = [r for r in mine if r.status in ACTIVE and _good_everywhere(nodes, r)]
+        slow = self._slow_groups(spec, mine)
+        serving = self._in_service(mine, slow)
         missing = spec.replicas - len(serving)
         if missing <= 0:
             return 0, mine
         retry = [r for r in mine if r.status == "failed"]
-        placed, blocked = await self._place(ctx, spec, missing, retry, mine)
+        # A group whose links are now too slow serves on until its replacement is ready.
+        because = "; ".join(f"replaces {rid}: {why}" for rid, why in sorted(slow.items()))
+        placed, blocked = await self._place(ctx, spec, missing, retry, mine, because=because)
         if blocked is not None and blocked.reason != self._recorded_unschedulable():
             unschedulable = ClusterUnschedulable(
                 name=self.name,
@@ -685,13 +687,46 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         await self._persist_and_wait(ctx, [ClusterRolledOut(name=self.name, revision=revision)])
         ctx.log.info("cluster_rolled_out", revision=revision, replicas=spec.replicas)
 
+    def _slow_groups(self, spec: ClusterSpec, mine: list[ReplicaView]) -> dict[str, str]:
+        """Pipelines in service whose estimate per token, with their links as measured now,
+        is over the spec's `max_token_latency_ms`: replica id -> why."""
+        s = spec.sharding
+        if s is None or s.max_token_latency_ms <= 0:
+            return {}
+        fleet = self.fleet.live.state
+        slow: dict[str, str] = {}
+        for r in mine:
+            if r.status not in ACTIVE or len(r.stages) < 2 or not self._current(r):
+                continue
+            found = group_estimate(spec, r, fleet.nodes.nodes, fleet.links)
+            if found is not None and found[1]:
+                slow[r.replica_id] = found[1]
+        return slow
+
+    def _in_service(self, mine: list[ReplicaView], slow: Mapping[str, str]) -> list[ReplicaView]:
+        """Replicas that count as serving: active on good nodes, and not a group whose links
+        have become too slow for its spec's bound."""
+        nodes = self.fleet.live.state.nodes.nodes
+        return [
+            r
+            for r in mine
+            if r.status in ACTIVE and _good_everywhere(nodes, r) and r.replica_id not in slow
+        ]
+
     async def _retire(self, spec: ClusterSpec, mine: list[ReplicaView]) -> int:
-        """Steps 3 and 4: replicas on degraded or drained nodes stop once replacements are
-        ready; then extras on good nodes stop, not-ready and newest first."""
+        """Steps 3 and 4: replicas on degraded or drained nodes, and groups whose links are
+        too slow now, stop once replacements are ready; then extras on good nodes stop,
+        not-ready and newest first."""
         nodes = self.fleet.live.state.nodes.nodes
         actions = last = 0
-        good_ready = [r for r in mine if r.status == "ready" and _good_everywhere(nodes, r)]
+        slow = self._slow_groups(spec, mine)
+        good_ready = [r for r in self._in_service(mine, slow) if r.status == "ready"]
         if len(good_ready) >= spec.replicas:
+            for r in mine:
+                if r.status in ACTIVE and r.replica_id in slow and _good_everywhere(nodes, r):
+                    why = f"links too slow: {slow[r.replica_id]}"
+                    last = max(last, await self._tell(r, Stop(why), spec))
+                    actions += 1
             for r in mine:
                 bad = [nodes.get(n) for n in r.node_ids if not _good(nodes.get(n))]
                 node = bad[0] if bad else None
@@ -699,7 +734,7 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                     why = "node drained" if node and node.drained else "node degraded"
                     last = max(last, await self._tell(r, Stop(why), spec))
                     actions += 1
-        serving = [r for r in mine if r.status in ACTIVE and _good_everywhere(nodes, r)]
+        serving = self._in_service(mine, slow)
         # While outdated replicas serve, the rollout's plan decides what leaves: its surge
         # replicas are not extras.
         rolling = not all(self._current(r) for r in serving)
@@ -719,6 +754,8 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
         missing: int,
         retry: list[ReplicaView],
         mine: list[ReplicaView],
+        *,
+        because: str = "",
     ) -> tuple[int, NoFit | None]:
         live = self.fleet.live
         if missing and (secrets := await self.fleet.secrets_unavailable(spec)):
@@ -741,9 +778,14 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
             if spec.sharding is not None:
                 # The model's memory decides the GPUs: a node's, or a pipeline over several,
                 # placed in one event or not at all (docs/sharding.md).
-                decision, stages = place_group(spec, nodes, everyone, avoid=avoid, now_ns=now_ns)
+                links = fleet.links  # measured; a pair not measured yet is assumed
+                decision, stages = place_group(
+                    spec, nodes, everyone, avoid=avoid, now_ns=now_ns, links=links, because=because
+                )
                 if isinstance(decision, NoFit) and avoid:
-                    decision, stages = place_group(spec, nodes, everyone, now_ns=now_ns)
+                    decision, stages = place_group(
+                        spec, nodes, everyone, now_ns=now_ns, links=links, because=because
+                    )
             else:
                 decision = schedule(nodes, spec, everyone, rng, avoid=avoid, now_ns=now_ns)
                 if isinstance(decision, NoFit) and avoid:

@@ -51,6 +51,7 @@ from .fenced_store import FencedBus, LeaseGuard
 from .health import HealthPolicy
 from .heartbeat_recorder import HeartbeatRecorder, NodeLiveness
 from .intake_limit import IntakeLimiter
+from .link_survey import LinkSurvey
 from .live_state import LiveState
 from .node_actor import Beat, Drain, Join, NodeActor, NodeMsg
 from .replica_actor import Fail, ReplicaActor, ReplicaMsg, Report, Suspect
@@ -89,6 +90,9 @@ class ControllerConfig:
     term: int = 0
     # Counts what the live state folds, for Prometheus (actors/metrics.py); None: nothing.
     metrics: LogMetrics | None = None
+    # While some cluster allows pipeline stages across nodes, their candidate nodes measure
+    # their links this often (actors/link_survey.py); 0: never.
+    link_survey_interval: float = 30.0
 
 
 class Controller:
@@ -151,6 +155,12 @@ class Controller:
         self._last_routes: tuple[Any, ...] | None = None
         self.autoscaler = Autoscaler(env.clock, self._specs)
         self.log = env.log.bind(component="controller")
+        self.link_survey = LinkSurvey(
+            env,
+            self.live,
+            interval_s=self.config.link_survey_interval,
+            log=env.log.bind(component="link_survey"),
+        )
 
     # -- what the actors see (cluster_actor.Fleet) ------------------------------------------
 
@@ -257,6 +267,8 @@ class Controller:
             tasks.create_task(self._reconcile_loop(), name="reconcile")
             tasks.create_task(self._routing_loop(), name="routing")
             tasks.create_task(self._autoscale_loop(), name="autoscale")
+            if self.config.link_survey_interval > 0:
+                tasks.create_task(self.link_survey.run(), name="link-survey")
             if self.config.compact_heartbeats_after is not None:
                 tasks.create_task(self._compaction_loop(), name="compaction")
             for job in extra or []:

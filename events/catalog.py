@@ -121,9 +121,7 @@ _NODE_TYPES = (
 # the NodeActor, which owns `node/<id>` and its decisions, never races those appends.
 # A node's link measurements have one too (`links/<id>`), written by the controller's link
 # survey (actors/link_survey.py), for the same reason.
-STREAM_KINDS = (
-    "node", "heartbeat", "links", "cluster", "replica", "controller", "leadership",
-)  # fmt: skip
+STREAM_KINDS = ("node", "heartbeat", "links", "cluster", "replica", "controller", "leadership")
 _CLUSTER_SPEC_TYPES = (ClusterCreated, ClusterSpecChanged)
 _CLUSTER_NAMED_TYPES = (
     ClusterScaled,
