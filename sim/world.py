@@ -37,6 +37,7 @@ from gateway.transport.base import ConnectFailed, FirstByteTimeout, UpstreamRequ
 from nodeagent.agent import Agent
 from nodeagent.config import AgentConfig
 from nodeagent.gpu import FakeGpuProbe
+from nodeagent.link_probe import LinkChannel, LinkProbing, LinkUnreachable
 from nodeagent.workload.fake import FakeDriver
 from runtime.command_queue import Delivery
 from runtime.env import Bus, Env, RandomSource
@@ -62,6 +63,10 @@ CONNECT_TIMEOUT_S = 1.0  # an unreachable node: the TCP connect gives up after t
 # controller takes a fleet's heartbeats a batch per turn instead of a wake-up each, and records
 # them a batch per commit (`bench/sim.py --rows 1000:30`: about 1.4x faster).
 NETWORK_TICK_S = 0.0005
+# Every node's direct link to another carries this much, Gbit/s: a link's measured throughput
+# in the simulator (the `slow` fault adds latency, not a narrower pipe).
+SIM_LINK_GBPS = 10.0
+LINK_PORT = 7400  # the simulated link responders' port, in their endpoints (`node-3:7400`)
 
 
 class GatedCommands:
@@ -163,6 +168,63 @@ class SimTransport:
 
     async def close(self) -> None:
         return None
+
+
+class SimLinkChannel:
+    """A direct connection between two simulated nodes: each way takes a delay drawn from the
+    network's link between them (its `slow` fault's latency included), and a push its bytes at
+    SIM_LINK_GBPS besides."""
+
+    def __init__(self, world: World, src: str, dst: str, rng: RandomSource) -> None:
+        self._world, self._src, self._dst, self._rng = world, src, dst, rng
+
+    def _trip(self) -> float:
+        net = self._world.network
+        there, back = net.link(self._src, self._dst), net.link(self._dst, self._src)
+        return self._rng.uniform(*there.latency_s) + self._rng.uniform(*back.latency_s)
+
+    async def _reachable(self) -> None:
+        await self._world.link_reachable(self._src, self._dst)
+
+    async def ping(self) -> None:
+        await self._reachable()
+        await asyncio.sleep(self._trip())
+
+    async def push(self, nbytes: int) -> None:
+        await self._reachable()
+        await asyncio.sleep(nbytes * 8 / (SIM_LINK_GBPS * 1e9) + self._trip())
+
+    async def close(self) -> None:
+        return None
+
+
+class SimLinkDialer:
+    """A node's prober in the simulator (nodeagent/link_probe.py's LinkDialer): the agent's
+    own measuring code times these channels on the virtual clock."""
+
+    method = "sim"
+
+    def __init__(self, world: World, node_id: str, rng: RandomSource) -> None:
+        self._world, self._node_id, self._rng = world, node_id, rng
+
+    async def dial(self, endpoint: str) -> LinkChannel:
+        peer = endpoint.rpartition(":")[0]
+        await self._world.link_reachable(self._node_id, peer)
+        channel = SimLinkChannel(self._world, self._node_id, peer, self._rng)
+        await asyncio.sleep(channel._trip())  # the connection's handshake
+        return channel
+
+
+class SimLinkResponder:
+    """A node's link responder in the simulator: only its endpoint, which the dialers read."""
+
+    def __init__(self, node_id: str) -> None:
+        self.endpoint = f"{node_id}:{LINK_PORT}"
+        self.listening = asyncio.Event()
+
+    async def run(self) -> None:
+        self.listening.set()
+        await asyncio.Event().wait()  # until cancelled
 
 
 class World:
@@ -398,6 +460,9 @@ class World:
         key = X25519PrivateKey.from_private_bytes(
             seeded_bytes(self.derive(f"node-key:{node.node_id}"))(32)
         )
+        dialer = SimLinkDialer(
+            self, node.node_id, self.derive(f"links:{node.node_id}:{node.incarnation}")
+        )
         node.agent = Agent(
             env,
             node.commands,
@@ -406,10 +471,23 @@ class World:
             config,
             read_lease=read_lease,
             key=NodeKey(key),
+            links=LinkProbing(dialer, SimLinkResponder(node.node_id)),
         )
         node.bus = self.network.endpoint(node.node_id)  # a fresh one after power loss
         node.bus.add_reconnect_callback(node.agent.on_reconnect)
         node.task = self.spawn(node.agent.run(), f"agent:{node.node_id}:{node.incarnation}")
+
+    async def link_reachable(self, src: str, dst: str) -> None:
+        """Raise LinkUnreachable, after the time a real connection would take to fail, when
+        the direct link from `src` to `dst` is down (a node off, hung or partitioned)."""
+        peer = self.nodes.get(dst)
+        if peer is None or not peer.powered:
+            await asyncio.sleep(0.001)
+            raise LinkUnreachable(f"cannot connect to {dst}:{LINK_PORT}: connection refused")
+        me = self.nodes.get(src)
+        if peer.hung or peer.partitioned or (me is not None and me.partitioned):
+            await asyncio.sleep(CONNECT_TIMEOUT_S)
+            raise LinkUnreachable(f"cannot connect to {dst}:{LINK_PORT}: connect timed out")
 
     def power_off(self, node: SimNode) -> None:
         # Cut the wire first: whatever the dying agent still tries to say never arrives.
