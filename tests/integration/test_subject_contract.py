@@ -149,6 +149,7 @@ def test_examples_match_their_subjects_and_builders() -> None:
         subjects.leaving("gpu-1"),
         subjects.command("gpu-1"),
         subjects.fault("gpu-1"),
+        subjects.links("gpu-1"),
         subjects.event("node/gpu-1"),
         subjects.ROUTING,
         subjects.SUSPECT,
