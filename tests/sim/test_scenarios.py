@@ -71,6 +71,9 @@ def test_a_shipped_scenario_runs_with_no_violation_and_detects_its_faults(name: 
         "leader_crash",
         "leader_pause",
         "nats_server_loss",
+        # A slow link changes no node's health: the link survey measures it, and
+        # sharded-link-degrades checks that its group moves (tests/control/test_link_survey.py).
+        "slow",
     }
     assert node_faults <= set(result.detection), (node_faults, result.detection)
     if name not in DETECTED_LATE:
