@@ -58,6 +58,15 @@ controller, N agents with fake GPUs, real echo workloads. Health settings are th
         leader wrote anything (strace). The killed process is started again and the stack
         steady before the next class. Details: bench/_failover_ha.py.
 
+    python bench/failover.py --sharded [--runs 3] [--clients 16] [--seconds 20] [--kill-at 5]
+            [--victim worker|head|both] [--worker-probe tcp|http|none] [--head-needs-workers]
+        A sharded group loses a node (issue 18): 5 agents with one fake 24 GiB GPU each, cluster
+        `echo` of 2 replicas that each need 2 pipeline stages (30 GiB of weights), the gateway,
+        N clients (half streaming); SIGKILL the node of one group's worker stage, or its head.
+        Reported: kill -> offline, -> the group failed, -> placed again, -> worker up, ->
+        serving again; requests failed before the first byte (target 0), streams cut.
+        Details: bench/_failover_sharded.py.
+
     python bench/failover.py ... --plot FILE.png
     python bench/failover.py --from-json RESULT.json --plot FILE.png
         The figures above as one PNG (needs matplotlib: pip install 'gpumesh[plot]'): for the
@@ -98,7 +107,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-from bench import _failover_ha, _failover_ha_report  # noqa: E402
+from bench import _failover_ha, _failover_ha_report, _failover_sharded  # noqa: E402
 from bench._failover_clients import WORDS, read_load, read_traces  # noqa: E402
 from bench._failover_common import (  # noqa: E402
     CLIENT_TIMEOUT_S,
@@ -1180,6 +1189,28 @@ def main() -> int:
         help="the controllers' log: jetstream (each its own data directory) where `gpumesh "
         "controller` has --event-log, else sqlite (one file in a data directory they share)",
     )
+    sharded_mode = parser.add_argument_group("a sharded group's failover")
+    sharded_mode.add_argument(
+        "--sharded",
+        action="store_true",
+        help="2 groups of 2 pipeline stages on 5 agents (turns it on; --clients defaults to 16, "
+        "--runs to 3 per victim)",
+    )
+    sharded_mode.add_argument(
+        "--victim",
+        choices=("worker", "head", "both"),
+        default="both",
+        help="whose node is killed: a group's worker stage, its head, or each in turn",
+    )
+    sharded_mode.add_argument(
+        "--worker-probe", choices=("tcp", "http", "none"), default="tcp", help="default tcp"
+    )
+    sharded_mode.add_argument(
+        "--head-needs-workers",
+        action="store_true",
+        help="the head fails its requests (503, streams cut) once a worker's port refuses, as "
+        "a real pipeline's does; default: the plain echo, which does not need its worker",
+    )
     add_quick(
         parser,
         "--runs 1, --agents 4 in every mode, --seconds 3 --kill-at 1.5; with --classes: "
@@ -1201,6 +1232,8 @@ def main() -> int:
     announce(args, json_output=args.json)
     if args.classes:
         return _ha_main(parser, args)
+    if args.sharded:
+        return _failover_sharded.main(parser, args)
     if args.clients > 0 and args.controller_down > 0:
         args.agents = args.agents or 3
         args.runs = args.runs or 1
