@@ -460,9 +460,17 @@ class World:
         key = X25519PrivateKey.from_private_bytes(
             seeded_bytes(self.derive(f"node-key:{node.node_id}"))(32)
         )
-        dialer = SimLinkDialer(
-            self, node.node_id, self.derive(f"links:{node.node_id}:{node.incarnation}")
-        )
+        # Agents measure links where a scenario has a cluster that may run as a pipeline (as
+        # `gpumesh agent --no-link-probe` elsewhere): the other scenarios' runs stay as they were.
+        links: LinkProbing | None = None
+        if any(
+            c.sharding is not None and "pipeline" in c.sharding.parallelism
+            for c in self.scenario.clusters
+        ):
+            dialer = SimLinkDialer(
+                self, node.node_id, self.derive(f"links:{node.node_id}:{node.incarnation}")
+            )
+            links = LinkProbing(dialer, SimLinkResponder(node.node_id))
         node.agent = Agent(
             env,
             node.commands,
@@ -471,7 +479,7 @@ class World:
             config,
             read_lease=read_lease,
             key=NodeKey(key),
-            links=LinkProbing(dialer, SimLinkResponder(node.node_id)),
+            links=links,
         )
         node.bus = self.network.endpoint(node.node_id)  # a fresh one after power loss
         node.bus.add_reconnect_callback(node.agent.on_reconnect)
