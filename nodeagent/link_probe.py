@@ -195,6 +195,7 @@ class TcpResponder:
         self._listening = asyncio.Event()
         self.port = 0
         self._handlers: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
 
     @property
     def listening(self) -> asyncio.Event:
@@ -217,25 +218,28 @@ class TcpResponder:
             await asyncio.Future()  # until cancelled
         finally:
             server.close()
-            for task in list(self._handlers):
-                task.cancel()
-            with contextlib.suppress(Exception):
-                await server.wait_closed()
+            # Closed, not cancelled: each handler reads its end and returns (asyncio's
+            # stream callback reports a handler task cancelled mid-read as an error).
+            for writer in list(self._writers):
+                writer.close()
+            handlers = list(self._handlers)
+            if handlers:
+                await asyncio.wait(handlers, timeout=1.0)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
+        self._writers.add(writer)
         try:
             await answer(reader, writer)
         except (OSError, asyncio.IncompleteReadError, TimeoutError):
-            pass  # the peer went away, or said nothing for too long
+            pass  # the peer went away, said nothing for too long, or the responder stops
         finally:
             if task is not None:
                 self._handlers.discard(task)
+            self._writers.discard(writer)
             writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
 
 
 async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
