@@ -195,7 +195,8 @@ class ControlApi:
         state = self.state
         nodes = [n for _, n in sorted(state.nodes.nodes.items())]
         replicas = [r for _, r in sorted(state.replicas.replicas.items())]
-        result = plan(spec, nodes, replicas, now_ns=self.controller.env.clock.wall_ns())
+        now_ns = self.controller.env.clock.wall_ns()
+        result = plan(spec, nodes, replicas, now_ns=now_ns, links=state.links)
         return {"fits": not isinstance(result, NoPlan), **msgspec.to_builtins(result)}
 
     def _revised(self, name: str, done: Revised) -> dict[str, Any]:

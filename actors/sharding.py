@@ -352,7 +352,22 @@ def plan(
     units = _units(ctx, nodes, placements, now_ns, avoid)
     found = _one_node(ctx, units)
     if found is None and "pipeline" in s.parallelism and s.layers >= 2:
-        found = _pipeline(ctx, units)
+        where = {node.node_id: node.region for node in nodes}
+        found = _pipeline_in_a_region(ctx, units, where) if not s.cross_region else None
+        if found is None:
+            found = _pipeline(ctx, units)
+            if found is not None and not s.cross_region:
+                # It fits only across regions: say so, and place nothing.
+                spans = "+".join(sorted({where.get(st.node_id, "") for st in found.stages}))
+                ctx.rejected.insert(
+                    0,
+                    _rejected(
+                        found,
+                        f"spans regions {spans}: a pipeline stays in one region unless "
+                        "sharding.cross_region = true",
+                    ),
+                )
+                found = None
     total = len(ctx.rejected)
     listed = tuple(ctx.rejected[:LISTED])
     if found is None:
@@ -361,6 +376,25 @@ def plan(
             rejected_total=total,
         )  # fmt: skip
     return msgspec.structs.replace(found, rejected=listed, rejected_total=total)
+
+
+def _pipeline_in_a_region(
+    ctx: _Ctx, units: dict[str, list[_Unit]], where: dict[str, str]
+) -> ShardPlan | None:
+    """The best pipeline whose stages share a region: per region, `_pipeline` on its nodes;
+    then the fewest stages, GPUs, the lowest estimate and the node ids, as within one."""
+    by_region: dict[str, dict[str, list[_Unit]]] = {}
+    for node_id, node_units in sorted(units.items()):
+        by_region.setdefault(where.get(node_id, ""), {})[node_id] = node_units
+    if len(by_region) == 1:
+        return _pipeline(ctx, units)
+    found = [p for _, sub in sorted(by_region.items()) if (p := _pipeline(ctx, sub)) is not None]
+    if not found:
+        return None
+    return min(
+        found,
+        key=lambda p: (len(p.stages), p.gpus, p.token_ms, [s.node_id for s in p.stages]),
+    )
 
 
 def _units(
@@ -677,6 +711,9 @@ def _no_plan_reason(ctx: _Ctx, units: dict[str, list[_Unit]]) -> str:
         parts.append(f"{len(slow)} over the latency bound (first: {slow[0]})")
     if "pipeline" not in ctx.s.parallelism and len(units) > 1:
         parts.append("pipeline across nodes not allowed")
+    spans = [r.reason for r in ctx.rejected if r.reason.startswith("spans regions")]
+    if spans:
+        parts.append(f"it fits only across regions ({spans[0].split(':')[0]})")
     return f"nothing fits {ctx.spec.name}, {held}: " + ("; ".join(parts) or "no nodes")
 
 

@@ -45,6 +45,9 @@ class ShardingSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     # spec's command and serves the API.
     worker_command: str = ""
     worker_probe: str = "tcp"
+    # A pipeline's stages in one region (False, the default: a token crosses every stage
+    # boundary, and links between regions are the slow ones) or across regions.
+    cross_region: bool = False
 
 
 class ProbeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -27,6 +27,7 @@ def _others_subjects(node: str) -> tuple[list[str], list[str]]:
         subjects.command(node),
         subjects.tunnel(node),
         subjects.fault(node),
+        subjects.links(node),
         f"_INBOX.node.{node}.abc123",
         f"$JS.API.CONSUMER.MSG.NEXT.{subjects.COMMANDS_STREAM}.node-{node}",
     ]
@@ -39,7 +40,7 @@ def test_a_node_reaches_only_its_own_subjects(a: str, b: str) -> None:
     assert allowed is not None
     mine_out, mine_in = _others_subjects(a)
     assert all(any(subject_matches(p, s) for p in allowed.publish) for s in mine_out)
-    assert all(any(subject_matches(p, s) for p in allowed.subscribe) for s in mine_in[1:4])
+    assert all(any(subject_matches(p, s) for p in allowed.subscribe) for s in mine_in[1:5])
     if a == b:
         return
     theirs_out, theirs_in = _others_subjects(b)

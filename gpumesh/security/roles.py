@@ -91,7 +91,14 @@ def _node(node_id: str, inbox: str) -> Permissions:
             # nothing (nodeagent/agent.py, a stalled leader; wire/lease_read.py).
             f"{JS_API}.STREAM.MSG.GET.{subjects.LEADER_STREAM}",
         ),
-        # ... and its renewals going by.
-        subscribe=(subjects.tunnel(node_id), subjects.fault(node_id), subjects.LEADER, inbox),
+        # ... and its renewals going by; the controller's requests to measure its links
+        # (nodeagent/link_probe.py, docs/sharding.md).
+        subscribe=(
+            subjects.tunnel(node_id),
+            subjects.fault(node_id),
+            subjects.links(node_id),
+            subjects.LEADER,
+            inbox,
+        ),
         responses=True,
     )

@@ -388,3 +388,17 @@ def test_group_estimate_of_a_placed_pipeline_with_its_links_now() -> None:
     one = ReplicaView(replica_id="x", cluster="llama", node_id="a", epoch=1, gpu_indices=(0,))
     assert group_estimate(spec(bounded), one, nodes, None) is None
     assert group_estimate(spec(bounded), group, {"a": node("a")}, None) is None
+
+
+def test_a_pipeline_stays_in_one_region_unless_the_spec_allows_more() -> None:
+    # Two 24 GB cards in each region would do; one in each does not, within a region.
+    split = [node("a", region="eu-west"), node("b", region="us-east")]
+    refused = plan(spec(), split, [])
+    assert isinstance(refused, NoPlan)
+    assert "it fits only across regions (spans regions eu-west+us-east)" in refused.reason
+    assert refused.rejected[0].reason.startswith("spans regions eu-west+us-east: a pipeline")
+    across = spec(msgspec.structs.replace(LLAMA70_INT4, cross_region=True))
+    assert [s.node_id for s in fits(plan(across, split, [])).stages] == ["a", "b"]
+    # With a pair in one region, that pair, though another region sorts first by node id.
+    fleet = [*split, node("c", region="us-east"), node("d", region="ap-south")]
+    assert [s.node_id for s in fits(plan(spec(), fleet, [])).stages] == ["b", "c"]

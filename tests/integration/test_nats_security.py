@@ -141,6 +141,27 @@ async def test_a_node_cannot_read_another_nodes_commands(connect: Connect) -> No
         await _next(spying, timeout=0.3)
 
 
+async def test_the_controller_asks_a_node_to_measure_its_links_and_no_other_node_hears(
+    connect: Connect,
+) -> None:
+    controller = await connect("controller")
+    node_a = await connect("node-a")
+    node_b = await connect("node-b")
+    asked = await node_a.subscribe(subjects.links("node-a"))
+    spying = await node_b.subscribe(subjects.links("node-a"))
+    await node_a.flush()
+    await node_b.flush()
+    inbox = controller.new_inbox()
+    answers = await controller.subscribe(inbox)
+    await controller.flush()
+    await controller.publish(subjects.links("node-a"), b"measure", reply=inbox)
+    request = await _next(asked)
+    await node_a.publish(request.reply, b"measured")
+    assert (await _next(answers)).data == b"measured"
+    with pytest.raises(TimeoutError):
+        await _next(spying, timeout=0.3)
+
+
 async def test_a_node_cannot_bind_a_consumer_on_another_nodes_commands(
     connect: Connect,
 ) -> None:

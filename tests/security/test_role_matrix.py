@@ -284,7 +284,7 @@ def test_every_row_every_role_and_op_as_the_matrix_says() -> None:
 def _contract_subjects(node: str) -> list[str]:
     """Every subject docs/subjects.md names, for one node id."""
     per_node = [subjects.register, subjects.heartbeat, subjects.report, subjects.leaving]
-    per_node += [subjects.command, subjects.fault, subjects.tunnel]
+    per_node += [subjects.command, subjects.fault, subjects.tunnel, subjects.links]
     found = [make(node) for make in per_node]
     found += [subjects.event(f"node/{node}"), subjects.event("cluster/llama")]
     found += [subjects.ROUTING, subjects.LEADER, subjects.SUSPECT, subjects.LOAD]
