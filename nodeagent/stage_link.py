@@ -54,6 +54,10 @@ from runtime.env import Bus, BusError, Msg, Subscription, is_no_responders
 Resolve = Callable[[str, int, int], tuple[str, int] | None]
 # (replica_id, epoch) -> why this node must not serve it now ('' when it may): fencing.
 Fence = Callable[[str, int], str]
+# (head node, replica_id, epoch) -> why that node may not open links to the replica's stages
+# ('' when it may). The head node is the one NATS let publish the OPEN (its subject's sender
+# token, pinned by permissions), so this is the worker's check of who is calling.
+Admit = Callable[[str, str, int], str]
 
 # A peer that leaves our window full this long is gone or stuck. An engine reads its socket
 # continuously while it works, so a full window for this long is not a slow model.
@@ -375,8 +379,10 @@ class _Served:
 
 class StageLinkServer:
     """Carries streams from heads to this node's worker stages, on `stagelink(node_id)`, until
-    cancelled. `run()` owns a task per stream, in a TaskGroup: cancelling it ends every stream
-    (each peer told, each socket reset)."""
+    cancelled. An OPEN is checked, in this order, against `fence`, `admit` (the opening node)
+    and `resolve` (the stage and its local address); any no is an ERROR in one line. `run()`
+    owns a task per stream, in a TaskGroup: cancelling it ends every stream (each peer told,
+    each socket reset)."""
 
     def __init__(
         self,
@@ -385,6 +391,7 @@ class StageLinkServer:
         resolve: Resolve,
         *,
         fence: Fence | None = None,
+        admit: Admit | None = None,
         window: int = DEFAULT_WINDOW,
         chunk: int = MAX_CHUNK,
         stall_timeout_s: float = STALL_TIMEOUT_S,
@@ -400,6 +407,7 @@ class StageLinkServer:
         self._bus = bus
         self._resolve = resolve
         self._fence = fence
+        self._admit = admit
         self._window = window
         self._chunk = chunk
         self._stall_timeout_s = stall_timeout_s
@@ -472,6 +480,10 @@ class StageLinkServer:
         fenced = self._fence(request.replica_id, request.epoch) if self._fence else ""
         if fenced:
             self._refuse(head, stream_id, "fenced", f"{stage}: {fenced}")
+            return
+        refused = self._admit(head, request.replica_id, request.epoch) if self._admit else ""
+        if refused:
+            self._refuse(head, stream_id, "forbidden", f"{stage} from node {head}: {refused}")
             return
         address = self._resolve(request.replica_id, request.epoch, request.rank)
         if address is None:

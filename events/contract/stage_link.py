@@ -67,6 +67,7 @@ DEFAULT_WINDOW: Final = 1024 * 1024
 ErrorReason = Literal[
     "unknown_stage",  # the worker's agent does not run that replica's rank at that epoch
     "fenced",  # the controller no longer vouches for that replica on the worker's node
+    "forbidden",  # the opening node is not one the worker lets reach that replica's stages
     "connect_error",  # the stage's engine refused or could not be reached
     "unreachable",  # no agent listens on the worker's subject (NATS: no responders)
     "open_timeout",  # no ACCEPT or ERROR within the head's open timeout

@@ -285,6 +285,24 @@ async def test_an_open_for_a_stage_this_node_does_not_run_is_refused_in_one_line
     assert worker.errors == {"unknown_stage": 1} and worker.streams == 0
 
 
+async def test_only_the_admitted_head_node_may_open() -> None:
+    bus = MemoryBus()
+    admit = lambda head, replica, epoch: "" if head == "head" else "not the head of r1"  # noqa: E731
+    worker = StageLinkServer(bus, "worker", only(1), admit=admit)
+    async with running(worker.run):
+        await worker.subscribed.wait()
+        raw = RawHead(bus)
+        raw.to = frames.stagelink_to_stage("worker", "mallory", "s1")
+        raw.back = frames.stagelink_to_head("mallory", "worker", "s1")
+        await raw.start()
+        await raw.send(frames.encode_open(StageOpen(replica_id=REPLICA, epoch=EPOCH, rank=RANK)))
+        frame = await raw.next()
+    assert frame.meta == StageError(
+        reason="forbidden",
+        detail="stage 1 of replica r1 at epoch 3 from node mallory: not the head of r1",
+    )
+
+
 async def test_a_fenced_replica_is_refused_and_its_open_streams_cut() -> None:
     bus = MemoryBus()
     fenced = {"why": ""}
