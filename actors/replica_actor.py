@@ -305,6 +305,11 @@ class ReplicaActor(EventSourcedActor[ReplicaMsg, SlotState]):
             peers=tuple(state.stage_addresses[s.rank] for s in stages[1:])
             if stage.rank == 0
             else (),
+            peer_nodes=tuple(s.node_id for s in stages[1:]) if stage.rank == 0 else (),
+            head_node=stages[0].node_id,
+            overlay=self.spec is not None
+            and self.spec.sharding is not None
+            and self.spec.sharding.stage_links == "overlay",
         )
 
     async def _start_on(

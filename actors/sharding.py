@@ -286,6 +286,15 @@ class _Unit:
         return self.count * self.vram_mib * MIB * HEADROOM_NUM // HEADROOM_DEN
 
 
+# What a stage link over the overlay adds (sharding.stage_links = "overlay"): the agents carry
+# it through the NATS server, measured on loopback (bench/stage_link.py, 2026-11-26: a 1-byte
+# round trip 0.24 ms against 0.02 ms direct, 0.27 ms with TLS; a 64 MiB push at 2.7-3.8
+# Gbit/s, bounded by the agents' CPU). Added to the link's round trip, and its bandwidth
+# capped, at every boundary.
+OVERLAY_RTT_MS = 0.25
+OVERLAY_GBPS = 3.0
+
+
 @dataclass(frozen=True, slots=True)
 class _Hop:
     """One boundary between consecutive stages: its link's figures and the time a token's
@@ -297,12 +306,18 @@ class _Hop:
     rtt_ms: float
     gbps: float
     measured: bool
+    overlay: bool = False
 
     def describe(self) -> str:
         how = "measured" if self.measured else "assumed"
+        over = (
+            f", over the overlay +{OVERLAY_RTT_MS:g} ms and at most {OVERLAY_GBPS:g} Gbit/s"
+            if self.overlay
+            else ""
+        )
         return (
             f"{self.a}-{self.b} {self.ms:.2f} ms ({how} {self.rtt_ms:.2f} ms round trip, "
-            f"{self.gbps:g} Gbit/s)"
+            f"{self.gbps:g} Gbit/s{over})"
         )
 
 
@@ -327,8 +342,11 @@ class _Ctx:
             rtt, gbps, measured = seen.rtt_ms, seen.gbps, True
         else:
             rtt, gbps, measured = self.s.link_rtt_ms, self.s.link_gbps, False
+        overlay = self.s.stage_links == "overlay"
+        if overlay:
+            rtt, gbps = rtt + OVERLAY_RTT_MS, min(gbps, OVERLAY_GBPS)
         ms = bits / (gbps * 1e9) * 1e3 + rtt
-        return _Hop(a, b, ms, rtt, gbps, measured)
+        return _Hop(a, b, ms, rtt, gbps, measured, overlay)
 
 
 def plan(

@@ -210,6 +210,8 @@ def validate_sharding(s: ShardingSpec) -> None:
         seen.append(way)
     if "pipeline" in s.parallelism and s.layers == 0:
         raise SpecError("sharding.layers: required when parallelism allows pipeline")
+    if s.stage_links not in ("direct", "overlay"):
+        raise SpecError(f"sharding.stage_links: {s.stage_links!r} is not one of direct, overlay")
     if s.worker_probe not in PROBE_KINDS:
         raise SpecError(
             f"sharding.worker_probe: {s.worker_probe!r} is not one of {', '.join(PROBE_KINDS)}"

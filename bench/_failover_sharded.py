@@ -87,7 +87,8 @@ AGENTS = 5
 GPU = "RTX4090:24GiB:1"  # 21.6 GiB usable: 30 GiB needs 2 of them, on 2 nodes
 GROUPS = 2
 CLUSTER = "echo"
-SHARDING = {"weights_gib": 30, "layers": 32, "parallelism": ["pipeline"]}
+# The stack's agents take the regions in turn (tests/integration/stack.py), all on one machine.
+SHARDING = {"weights_gib": 30, "layers": 32, "parallelism": ["pipeline"], "cross_region": True}
 VICTIMS = ("worker", "head")
 DEFAULTS = {"runs": 3, "clients": 16}
 

@@ -40,6 +40,8 @@ QUICK=(
     "coldstart.py"
     "rollout.py"
     "realmodel.py"
+    "stage_link.py"
+    "stage_link.py --secure"
 )
 
 JOBS=${BENCH_JOBS:-2}

@@ -48,6 +48,11 @@ class ShardingSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     # A pipeline's stages in one region (False, the default: a token crosses every stage
     # boundary, and links between regions are the slow ones) or across regions.
     cross_region: bool = False
+    # How the head reaches its workers: "direct" (node to node, at the agents' addresses) or
+    # "overlay" (carried over NATS by the agents: TLS and the nodes' own identities, for
+    # engines whose link has no security of its own and nodes that take no inbound
+    # connections; the plan counts its cost, docs/sharding.md).
+    stage_links: str = "direct"
 
 
 class ProbeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

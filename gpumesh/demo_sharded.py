@@ -48,7 +48,9 @@ def missing() -> str:
     return "; ".join(lacking)
 
 
-def spec(*, replicas: int = 1, threads: int = 1) -> ClusterSpec:
+def spec(
+    *, name: str = NAME, replicas: int = 1, threads: int = 1, stage_links: str = "direct"
+) -> ClusterSpec:
     """The demo cluster: the head serves the OpenAI API on {port}, the worker holds the last
     {peer_layers} layers (llama.cpp offloads a model's last -ngl layers to its devices, here the
     RPC workers, in -ts proportions)."""
@@ -66,9 +68,9 @@ def spec(*, replicas: int = 1, threads: int = 1) -> ClusterSpec:
     )
     worker = f"{shlex.quote(str(binaries.rpc_server))} -H 127.0.0.1 -p {{port}} -t {threads}"
     return ClusterSpec(
-        name=NAME,
+        name=name,
         replicas=replicas,
-        model=NAME,
+        model=name,
         command=head,
         sharding=ShardingSpec(
             weights_gib=WEIGHTS_GIB,
@@ -77,5 +79,6 @@ def spec(*, replicas: int = 1, threads: int = 1) -> ClusterSpec:
             parallelism=("pipeline",),
             worker_command=worker,
             worker_probe="tcp",
+            stage_links=stage_links,
         ),
     )

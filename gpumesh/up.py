@@ -136,6 +136,14 @@ def agent_gpus(args: argparse.Namespace, index: int) -> str:
     return DEFAULT_FAKE_GPUS
 
 
+def agent_region(args: argparse.Namespace, index: int) -> str:
+    """Agent `index`'s region: the regions in turn, so placement spreads replicas; the sharded
+    demo's agents all in the first, as a pipeline's stages stay in one region."""
+    if getattr(args, "demo", None) == "sharded":
+        return REGIONS[0]
+    return REGIONS[index % len(REGIONS)]
+
+
 def demo_spec(name: str = DEMO_CLUSTER) -> ClusterSpec:
     """The demo cluster `name` (one of DEMOS): its name is its model's."""
     if name == "sharded":
@@ -485,7 +493,7 @@ async def _spawn_agent(
             "--fake-gpus",
             agent_gpus(args, index),
             "--region",
-            REGIONS[index % len(REGIONS)],
+            agent_region(args, index),
             "--data-dir",
             str(args.data_dir),
             "--log-format",

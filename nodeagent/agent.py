@@ -36,6 +36,7 @@ from events.contract.messages import (
     RegisterReply,
     ReplicaReport,
     ReplicaState,
+    StageLaunch,
     StartReplica,
     StopReplica,
 )
@@ -54,6 +55,7 @@ from .metrics import AgentCounters
 from .model_cache import CACHE_SCAN_S, cached_models
 from .replica import ReplicaRunner, http_address
 from .stage import stage_spec
+from .stage_link import StageLinkClient, StageLinkServer, StageTarget
 from .tunnel import TunnelServer
 from .workload.base import WorkloadDriver, WorkloadStartError
 
@@ -155,6 +157,19 @@ class Agent:
         self.tunnel = TunnelServer(
             env.bus, config.node_id, self.local_url, log=self._log, fence=self.fenced
         )
+        # Pipeline stages' links over the overlay (docs/sharding.md): a worker's engine carried
+        # to heads that the controller named, and a head's local ports to its workers.
+        self.stage_links = StageLinkServer(
+            env.bus,
+            config.node_id,
+            self.stage_address,
+            fence=self.fenced,
+            admit=self._stage_admits,
+            log=self._log,
+        )
+        self.stage_forwards = StageLinkClient(
+            env.bus, config.node_id, new_stream_id=env.new_id, log=self._log
+        )
         # Heartbeat acks (the lease) come back under this node's own inbox prefix, the only
         # one a node's NATS permissions let it read.
         self._lease_subject = f"{env.bus.new_inbox()}.lease"
@@ -226,6 +241,8 @@ class Agent:
             self._group = group
             group.create_task(self._serve_faults(), name="agent faults")
             group.create_task(self.tunnel.run(), name="agent tunnel")
+            group.create_task(self.stage_links.run(), name="agent stage links")
+            group.create_task(self.stage_forwards.run(), name="agent stage forwards")
             if self.front is not None:
                 group.create_task(self.front.run(), name="agent front")
                 await self.front.listening.wait()  # before any replica is advertised
@@ -244,6 +261,29 @@ class Agent:
             group.create_task(self._consume_commands(), name="agent commands")
             if self._read_lease is not None:
                 group.create_task(self._watch_stalled_leader(), name="agent leader watch")
+
+    def stage_address(self, replica_id: str, epoch: int, rank: int) -> tuple[str, int] | None:
+        """Where this node's worker stage `rank` of `replica_id` at `epoch` listens, for a
+        head's link over the overlay; None unless it runs here, starting or ready."""
+        runner = self._runners.get((replica_id, epoch))
+        if runner is None:
+            return None
+        stage = runner.command.stage
+        if stage is None or stage.rank != rank or rank == 0:
+            return None
+        if runner.state.state not in ("starting", "ready") or not runner.state.port:
+            return None
+        return self._local_host, runner.state.port
+
+    def _stage_admits(self, head_node: str, replica_id: str, epoch: int) -> str:
+        """'' when `head_node` is the head the controller named for this replica's epoch."""
+        runner = self._runners.get((replica_id, epoch))
+        stage = runner.command.stage if runner is not None else None
+        if stage is None or not stage.head_node:
+            return ""  # resolve() refuses what does not run here
+        if stage.head_node != head_node:
+            return f"{head_node} is not the head of {replica_id}@{epoch} ({stage.head_node} is)"
+        return ""
 
     def local_url(self, replica_id: str, epoch: int) -> str | None:
         """Where this node's replica `replica_id` at `epoch` serves, for the tunnel; None
@@ -707,9 +747,18 @@ class Agent:
         assert self._group is not None
         advertise = ""
         worker = command.stage is not None and command.stage.rank > 0
+        forwards: list[tuple[str, int]] = []
         if command.stage is not None:
+            stage = command.stage
+            if stage.rank == 0 and stage.overlay and stage.peer_nodes:
+                # The head reaches each worker at a local port its agent carries over NATS.
+                forwards = await self._forward_to_workers(command, stage)
+                local = tuple(f"{host}:{port}" for host, port in forwards)
+                stage = msgspec.structs.replace(stage, peers=local)
             # One stage of a pipeline: its own command, probe and placeholders.
-            command = msgspec.structs.replace(command, spec=stage_spec(command.spec, command.stage))
+            command = msgspec.structs.replace(
+                command, stage=stage, spec=stage_spec(command.spec, stage)
+            )
         if self._front_base and not worker:
             # A worker's engine speaks to the head only, over its own protocol: not fronted.
             advertise = self._front_base + front_path(command.replica_id, command.epoch)
@@ -726,7 +775,8 @@ class Agent:
         )
         self._runners[key] = runner
         self._tasks[key] = self._group.create_task(
-            runner.run(), name=f"replica {command.replica_id}@{command.epoch}"
+            self._run_replica(runner, forwards),
+            name=f"replica {command.replica_id}@{command.epoch}",
         )
         log.info(
             "replica_start",
@@ -735,6 +785,24 @@ class Agent:
             stage=command.stage.rank if command.stage is not None else None,
         )
         await runner.launched.wait()
+
+    async def _forward_to_workers(
+        self, command: StartReplica, stage: StageLaunch
+    ) -> list[tuple[str, int]]:
+        await self.stage_forwards.ready.wait()
+        return [
+            await self.stage_forwards.forward(
+                StageTarget(node, command.replica_id, command.epoch, rank)
+            )
+            for rank, node in enumerate(stage.peer_nodes, start=1)
+        ]
+
+    async def _run_replica(self, runner: ReplicaRunner, forwards: list[tuple[str, int]]) -> None:
+        try:
+            await runner.run()
+        finally:
+            for address in forwards:
+                await self.stage_forwards.unforward(address)
 
     def _with_secrets(self, command: StartReplica) -> ClusterSpec:
         """The spec the workload gets: `secret_env` holding the values (opened from the

@@ -34,6 +34,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from events.contract.tunnel import HOP_BY_HOP, NOT_DELIVERED, NOT_DELIVERED_HEADER
+from wire.crl_share import read_crl
 from wire.nats_access import tls_identity
 
 from .tunnel import Fence, Resolve  # the same two questions the tunnel asks
@@ -57,21 +58,6 @@ TRACER: FrontTracer | None = None
 
 def front_path(replica_id: str, epoch: int) -> str:
     return f"{PREFIX}{replica_id}/{epoch}"
-
-
-def read_crl(data: bytes, ca_pem: str) -> frozenset[int]:
-    """The serials a PEM revocation list revokes, once it is shown to be the CA's own
-    (ValueError otherwise: another issuer, a bad signature, not a list)."""
-    from cryptography import x509  # only a front with TLS needs it
-
-    ca = x509.load_pem_x509_certificate(ca_pem.encode())
-    crl = x509.load_pem_x509_crl(data)
-    if crl.issuer != ca.subject:
-        raise ValueError(f"the list is {crl.issuer.rfc4514_string()}'s, not the CA's")
-    public_key: Any = ca.public_key()
-    if not crl.is_signature_valid(public_key):
-        raise ValueError("the list's signature is not the CA's")
-    return frozenset(revoked.serial_number for revoked in crl)
 
 
 def _refuse(status: int, code: str, message: str, *, reached: bool = False) -> web.Response:

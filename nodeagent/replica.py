@@ -71,6 +71,11 @@ class ReplicaRunner:
             replica_id=command.replica_id, epoch=command.epoch, state="starting", port=self._port
         )
 
+    @property
+    def command(self) -> StartReplica:
+        """What it runs: the start command, its spec already the stage's for a pipeline."""
+        return self._command
+
     def prepare_stop(self, grace_s: float, reason: str) -> None:
         """Say how the coming cancellation should stop the workload."""
         self._stop_grace_s = grace_s

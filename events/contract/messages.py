@@ -148,6 +148,12 @@ class StageLaunch(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     split: tuple[int, ...] = ()  # layers per stage, rank order
     head_host: str = ""  # the head node's address (a rendezvous for engines that need one)
     peers: tuple[str, ...] = ()  # the head's: each worker's host:port, rank order
+    # Each worker's node, rank order (the head's only: with links over the overlay its agent
+    # carries a local port to each), and the head's node (a worker's agent admits links from
+    # it alone). Added with the stage link: older controllers send neither.
+    peer_nodes: tuple[str, ...] = ()
+    head_node: str = ""
+    overlay: bool = False  # the stages reach each other over the overlay (sharding.stage_links)
 
 
 class StartReplica(
@@ -192,6 +198,15 @@ class PullImage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, t
 
 
 Command: TypeAlias = StartReplica | StopReplica | PullImage
+
+
+class RevocationList(msgspec.Struct, frozen=True, kw_only=True, tag="crl.v1"):
+    """The CA's signed list of revoked TLS certificates, as PEM (`crl.pem`), on
+    `gpumesh.v1.security.crl` and in answer to `...crl.get`; `pem` "" when there is none yet.
+    An agent takes it only once its signature is shown to be the CA's (wire/crl_share.py)."""
+
+    pem: str = ""
+
 
 FaultKind = Literal["thermal", "driver", "ecc", "xid", "throttle", "clear"]
 

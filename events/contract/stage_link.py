@@ -33,7 +33,7 @@ from typing import Final, Literal
 
 import msgspec
 
-from events.contract.subjects import PREFIX
+from events.contract import subjects
 
 # Head -> worker only.
 OPEN: Final = 0x01  # meta StageOpen: connect me to this stage's engine
@@ -213,27 +213,13 @@ def decode(data: bytes) -> Frame:
     return Frame(kind, seq, meta, data[end:])
 
 
-# Subjects. Each node reads only under its own `stagelink(node)`; each frame's subject names the
-# node that sent it in a token its NATS permissions pin to its own id (docs/subjects.md), so a
-# receiver knows, from the server, who is at the other end. These belong in
-# events/contract/subjects.py; they are here until it has them.
-
-STAGELINK_ALL: Final = f"{PREFIX}.node.*.stagelink.>"
-
-
-def stagelink(node_id: str) -> str:
-    """The root of `node_id`'s stage link subjects (it subscribes to `<root>.>`)."""
-    return f"{PREFIX}.node.{node_id}.stagelink"
-
-
-def stagelink_to_stage(worker_node: str, head_node: str, stream: str) -> str:
-    """Head -> worker: OPEN, then the head's frames of one stream."""
-    return f"{stagelink(worker_node)}.stage.{head_node}.{stream}"
-
-
-def stagelink_to_head(head_node: str, worker_node: str, stream: str) -> str:
-    """Worker -> head: ACCEPT or ERROR, then the worker's frames of one stream."""
-    return f"{stagelink(head_node)}.head.{worker_node}.{stream}"
+# Subjects (events/contract/subjects.py). Each node reads only under its own `stagelink(node)`;
+# each frame's subject names the node that sent it in a token its NATS permissions pin to its
+# own id (docs/subjects.md), so a receiver knows, from the server, who is at the other end.
+STAGELINK_ALL: Final = subjects.STAGELINK_ALL
+stagelink = subjects.stagelink
+stagelink_to_stage = subjects.stagelink_to_stage
+stagelink_to_head = subjects.stagelink_to_head
 
 
 def stream_of(subject: str) -> tuple[str, str] | None:

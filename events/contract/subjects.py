@@ -36,6 +36,14 @@ EVENTS_ALL = f"{PREFIX}.events.>"
 
 # Gateway -> agent: HTTP requests tunnelled over NATS (the overlay transport).
 TUNNEL_ALL = f"{PREFIX}.node.*.tunnel"
+# Agent <-> agent: pipeline stages' TCP links carried over NATS (the stage link). Every frame's
+# subject names its sender in a token NATS permissions pin to the sender's own node id.
+STAGELINK_ALL = f"{PREFIX}.node.*.stagelink.>"
+
+# Controller -> agents: the CA's revocation list, at start and whenever it changes; and its
+# request subject, for an agent that (re)connects (wire/crl_share.py).
+CRL = f"{PREFIX}.security.crl"
+CRL_GET = f"{PREFIX}.security.crl.get"
 
 # Controller -> gateways.
 ROUTING = f"{PREFIX}.routing"
@@ -113,6 +121,21 @@ def links(node_id: str) -> str:
 
 def tunnel(node_id: str) -> str:
     return f"{PREFIX}.node.{node_id}.tunnel"
+
+
+def stagelink(node_id: str) -> str:
+    """The root of a node's stage link subjects; the node subscribes to `<root>.>`."""
+    return f"{PREFIX}.node.{node_id}.stagelink"
+
+
+def stagelink_to_stage(worker_node: str, head_node: str, stream: str) -> str:
+    """Head -> worker: OPEN, then the head's frames of one stream."""
+    return f"{stagelink(worker_node)}.stage.{head_node}.{stream}"
+
+
+def stagelink_to_head(head_node: str, worker_node: str, stream: str) -> str:
+    """Worker -> head: ACCEPT or ERROR, then the worker's frames of one stream."""
+    return f"{stagelink(head_node)}.head.{worker_node}.{stream}"
 
 
 def event(stream: str) -> str:

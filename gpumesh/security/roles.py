@@ -90,6 +90,12 @@ def _node(node_id: str, inbox: str) -> Permissions:
             # The leader lease, read through its stream's leader when the controller answers
             # nothing (nodeagent/agent.py, a stalled leader; wire/lease_read.py).
             f"{JS_API}.STREAM.MSG.GET.{subjects.LEADER_STREAM}",
+            # Stage links (nodeagent/stage_link.py): frames to any node, only as itself (the
+            # sender's token in the subject is its own id).
+            f"{subjects.PREFIX}.node.*.stagelink.stage.{node_id}.*",
+            f"{subjects.PREFIX}.node.*.stagelink.head.{node_id}.*",
+            # The CA's revocation list, asked for at start and after a reconnection.
+            subjects.CRL_GET,
         ),
         # ... and its renewals going by; the controller's requests to measure its links
         # (nodeagent/link_probe.py, docs/sharding.md).
@@ -97,6 +103,8 @@ def _node(node_id: str, inbox: str) -> Permissions:
             subjects.tunnel(node_id),
             subjects.fault(node_id),
             subjects.links(node_id),
+            f"{subjects.stagelink(node_id)}.>",
+            subjects.CRL,
             subjects.LEADER,
             inbox,
         ),

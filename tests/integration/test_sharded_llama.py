@@ -10,16 +10,20 @@ them once into the cache, about 6 min on 2 cores); without them it skips, naming
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from gpumesh import demo_sharded
 from nodeagent.workload.extras import smollm2_file
 from nodeagent.workload.llama_cpp import find_binaries
 from tests.integration.test_real_models import up
+from tests.integration.up_process import api
 from tests.real_models import free_port
 
 pytestmark = [
@@ -75,6 +79,24 @@ def _unsharded_answer(tmp_path: Path) -> str:
         server.wait(10)
 
 
+async def _stage_address(stack: Any, replica_id: str, epoch: int) -> str:
+    """The worker's own host:port, as its replica.stage_ready.v1 recorded it."""
+    after = 0
+    while True:
+        page = await api(stack.bus, "events.list", {"after": after, "limit": 1000})
+        for event in page["events"]:
+            payload = event["payload"]
+            if (
+                event["type"] == "replica.stage_ready.v1"
+                and payload["replica_id"] == replica_id
+                and payload["epoch"] == epoch
+            ):
+                return str(payload["address"])
+        if not page["events"] or page["next"] >= page["head"]:
+            raise AssertionError(f"no stage_ready for {replica_id}@{epoch}")
+        after = page["next"]
+
+
 def test_a_model_split_over_two_agents_answers_as_it_does_whole(tmp_path: Path) -> None:
     async def main() -> None:
         async with up(tmp_path, "--demo", "sharded") as stack:
@@ -86,5 +108,20 @@ def test_a_model_split_over_two_agents_answers_as_it_does_whole(tmp_path: Path) 
             sharded = await asyncio.to_thread(_ask, stack.gateway + "/v1", "sharded")
             alone = await asyncio.to_thread(_unsharded_answer, tmp_path)
             assert sharded and sharded == alone, (sharded, alone)
+
+            # The same pipeline with its stage link carried over NATS (TLS, the nodes' own
+            # identities): the head dials a local port its agent forwards to the worker's.
+            await api(stack.bus, "cluster.delete", {"name": "sharded"})
+            overlay = demo_sharded.spec(name="sharded-overlay", stage_links="overlay")
+            await api(stack.bus, "cluster.create", msgspec.to_builtins(overlay))
+            cluster = await stack.wait_ready("sharded-overlay", 1)
+            (replica,) = cluster["replicas"]
+            log = stack.replica_log(replica["replica_id"], replica["epoch"])
+            rpc = re.search(r" --rpc (127\.0\.0\.1:\d+) ", log)
+            assert rpc is not None, log[:2000]
+            worker = await _stage_address(stack, replica["replica_id"], replica["epoch"])
+            assert rpc.group(1) != worker  # not the worker's own port: the agent's forward
+            over = await asyncio.to_thread(_ask, stack.gateway + "/v1", "sharded-overlay")
+            assert over == alone, (over, alone)
 
     asyncio.run(main())

@@ -33,6 +33,8 @@ SPEC: dict[str, Any] = {
         "layers": 32,
         "parallelism": ["pipeline"],
         "worker_probe": "tcp",
+        # The stack's agents take the regions in turn, all on this one machine.
+        "cross_region": True,
     },
 }
 SPEC["command"] = "env SEEN_PEERS={peers} SEEN_RANK={rank} " + SPEC["command"]

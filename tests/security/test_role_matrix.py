@@ -288,6 +288,13 @@ def _contract_subjects(node: str) -> list[str]:
     found = [make(node) for make in per_node]
     found += [subjects.event(f"node/{node}"), subjects.event("cluster/llama")]
     found += [subjects.ROUTING, subjects.LEADER, subjects.SUSPECT, subjects.LOAD]
+    found += [subjects.CRL, subjects.CRL_GET]
+    found += [
+        subjects.stagelink_to_stage(node, "gpu-2", "s1"),
+        subjects.stagelink_to_head(node, "gpu-2", "s1"),
+        subjects.stagelink_to_stage("gpu-2", node, "s1"),
+        subjects.stagelink_to_head("gpu-2", node, "s1"),
+    ]
     found += [subjects.api(verb) for verb in subjects.API_VERBS]
     return found
 
