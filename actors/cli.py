@@ -343,6 +343,7 @@ async def run_controller(args: argparse.Namespace) -> int:
 
     from runtime.real_env import LoopClock
     from runtime.shutdown import run_until_signal
+    from wire.nats_access import SecurityLayout
     from wire.nats_bus import NatsBus
 
     from .controller import ControllerConfig
@@ -370,6 +371,8 @@ async def run_controller(args: argparse.Namespace) -> int:
                 read_model=(
                     args.data_dir / READ_MODEL_FILE if args.event_log == "jetstream" else None
                 ),
+                # Where `gpumesh certs` keeps the CA: its revocation list goes to the nodes.
+                crl=None if args.insecure else SecurityLayout(args.data_dir).crl,
             )
             log = structlog.get_logger("gpumesh.leadership")
             process = ControllerProcess(bus, LoopClock(), config, log=log)

@@ -38,6 +38,7 @@ from projections.projector import ReadModelError, load_checkpoint, save_checkpoi
 from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import Clock
 from runtime.errors import BusError
+from wire.crl_share import CrlPublisher
 from wire.nats_bus import NatsBus
 
 from .controller import Controller, ControllerConfig
@@ -63,6 +64,9 @@ class ProcessConfig:
     timing: LeaseTiming = field(default_factory=LeaseTiming)
     # jetstream only: the local read model and the position it applied (None: keep none)
     read_model: Path | None = None
+    # The CA's revocation list, published to the nodes while this process leads (None: a
+    # stack without TLS, or a CA kept elsewhere; wire/crl_share.py).
+    crl: Path | None = None
 
 
 class FencedCommands:
@@ -161,7 +165,10 @@ class ControllerProcess:
                 secrets=self._secret_store(),
             )
             self.controller = controller
-            await controller.run(extra=[OutboxPublisher(guarded, self.bus).run])
+            extra = [OutboxPublisher(guarded, self.bus).run]
+            if self.config.crl is not None:
+                extra.append(CrlPublisher(self.bus, self.config.crl, env.log).run)
+            await controller.run(extra=extra)
         except Exception:
             # The leadership says in one line why the term ended; the whole story here.
             if self._log is not None:

@@ -319,7 +319,15 @@ async def _serve_stack(
 ) -> None:
     say = _progress
     async with asyncio.TaskGroup() as tasks:
-        ctl = tasks.create_task(controller.run(extra=[outbox.run]), name="controller")
+        extra = [outbox.run]
+        if url.startswith("tls://"):
+            # The CA's revocation list, to every node's front (wire/crl_share.py).
+            from wire.crl_share import CrlPublisher
+            from wire.nats_access import SecurityLayout
+
+            crl = SecurityLayout(args.data_dir).crl
+            extra.append(CrlPublisher(bus, crl, controller.env.log).run)
+        ctl = tasks.create_task(controller.run(extra=extra), name="controller")
         await controller.ready.wait()
         say(f"controller ready; event log {args.events_db}")
         gw = None

@@ -44,6 +44,7 @@ from events.node import GpuMetrics
 from events.secret_store import FILE_PREFIX, is_file
 from runtime.command_queue import CommandQueue, Delivery
 from runtime.env import BusError, Env, Msg, NoResponders, RequestTimeout, is_no_responders
+from wire.crl_share import CrlFollower
 from wire.errors import WireError
 from wire.sealing import NodeKey, SealingError, aad, open_sealed
 
@@ -245,6 +246,10 @@ class Agent:
             group.create_task(self.stage_forwards.run(), name="agent stage forwards")
             if self.front is not None:
                 group.create_task(self.front.run(), name="agent front")
+                if self.front.crl is not None:
+                    # The CA's list, from the controller, to the file the front reads.
+                    follower = CrlFollower(self._env.bus, *self.front.crl, self._log)
+                    group.create_task(follower.run(), name="agent revocation list")
                 await self.front.listening.wait()  # before any replica is advertised
                 self._front_base = http_address(self.config.address, self.front.port)
             if self.links is not None:

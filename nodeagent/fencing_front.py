@@ -151,6 +151,13 @@ class DirectFront:
         return self._tls is not None
 
     @property
+    def crl(self) -> tuple[Path, str] | None:
+        """The revocation list's file and the CA it must be signed by (None: no TLS)."""
+        if self._tls is None or self._tls.crl is None:
+            return None
+        return self._tls.crl, self._tls.ca_pem
+
+    @property
     def tls_connections(self) -> int:
         """Open TLS connections (a gateway keeps a few alive: a handshake per connection)."""
         return len(self._callers)

@@ -29,6 +29,7 @@ from events.contract import subjects
 from tests.integration.stack import STACK_ENV, kill_marked
 from tests.integration.up_process import api
 from wire.commandline import nats_for
+from wire.crl_share import read_crl
 from wire.nats_access import SecurityLayout, load_credentials
 from wire.nats_bus import BusUnavailable, NatsBus
 
@@ -179,6 +180,21 @@ async def test_the_remote_node_recipe_works_as_written(
         await beats.next_msg(30)  # registered (heartbeats follow registration) over TLS
         nodes = {n["node_id"]: n for n in await api(operator, "node.list", {})}
         assert nodes["gpu-7"]["health"] == "healthy", nodes
+
+        # A revocation on the controller machine reaches the node's own copy of the CA's list,
+        # which its front reads, over NATS: nothing to copy by hand (wire/crl_share.py).
+        await once(["gpumesh", "certs", "revoke", "gateway"])
+        ca_pem = (ctl_data / "security" / "ca.pem").read_text()
+        source, copy = ctl_data / "security" / "crl.pem", node_data / "security" / "crl.pem"
+        listed = read_crl(source.read_bytes(), ca_pem)
+        assert listed, "the gateway's certificate is in the CA's list"
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        async with asyncio.timeout(10):
+            # A file written by another process: nothing to await but its contents.
+            while not copy.exists() or read_crl(copy.read_bytes(), ca_pem) != listed:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        print(f"revocation on the node {loop.time() - start:.2f} s after `certs revoke` returned")
 
         # Later: revoked, it is cut off and its agent exits.
         revoked = await once(revoke)
