@@ -17,7 +17,7 @@ import msgspec
 
 from .codec import encode_envelope
 from .envelope import Envelope, Undecodable
-from .errors import LogNotFound
+from .errors import EventStoreError, LogNotFound
 from .replica import Candidate
 from .secret_store import SENSITIVE_NAME
 from .synthetic import fleet_history
@@ -90,13 +90,37 @@ def register(commands: Any, parents: Sequence[argparse.ArgumentParser]) -> None:
         "secrets (TOKEN, SECRET, KEY, PASSWORD, any case): each moves to secret_env as a "
         "reference, its value to the secret store beside the log. Keeps a copy of the log "
         "first (it holds the values in clear: delete it once satisfied). Stop the controller "
-        "first. Values already read from the log (the JetStream event stream, read models, "
+        "first. Values already read from the log (the GPUMESH_EVENTS stream, read models, "
         "backups) are not reached: rotate those secrets.",
     )
     redact.add_argument(
         "--dry-run", action="store_true", help="say what would change; write nothing"
     )
     redact.add_argument("--json", action="store_true", help="the report as one JSON object")
+    redact.add_argument(
+        "--event-log",
+        choices=["sqlite", "jetstream"],
+        default="sqlite",
+        help="sqlite (default: DATA_DIR/events.db, rewritten in place) or jetstream (the NATS "
+        "stream GPUMESH_LOG of `gpumesh controller --event-log jetstream`: written again "
+        "whole, every event at its position; values to the controllers' secret bucket)",
+    )
+    redact.add_argument(
+        "--nats",
+        metavar="URL",
+        help="with --event-log jetstream: the stack's NATS (default: "
+        "the URL `gpumesh up`/`controller` wrote in the data directory)",
+    )
+    redact.add_argument(
+        "--backup-dir",
+        metavar="DIR",
+        help="with --event-log jetstream: where the stream's backup goes (default: DATA_DIR)",
+    )
+    redact.add_argument(
+        "--restore",
+        metavar="FILE",
+        help="with --event-log jetstream: write the stream back from this backup instead",
+    )
     redact.set_defaults(handler=redact_events)
 
 
@@ -310,9 +334,28 @@ async def redact_events(args: argparse.Namespace) -> int:
     from .redact import redact_log
 
     stamp = datetime.now(tz=UTC).strftime("%Y%m%dT%H%M%SZ")
+    args.redact_stamp = stamp  # names the backup, whichever log
+    if getattr(args, "event_log", "sqlite") == "jetstream":
+        # It needs a NATS connection, which this package does not make: gpumesh/cli.py gives
+        # the handler (wire/redact_jetstream.py).
+        jetstream: Any = getattr(args, "redact_jetstream", None)
+        if jetstream is None:
+            raise EventStoreError("events redact: this build has no JetStream support")
+        result: int = await jetstream(args)
+        return result
+    if getattr(args, "restore", None):
+        raise EventStoreError(
+            "events redact --restore: for --event-log jetstream (a SQLite log's backup is a "
+            "copy of the file: put it back in place)"
+        )
     report = await asyncio.to_thread(
         redact_log, Path(args.events_db), stamp=stamp, dry_run=args.dry_run
     )
+    return emit_redact_report(args, report)
+
+
+def emit_redact_report(args: argparse.Namespace, report: Any) -> int:
+    """The redaction's report: one line per spec rewritten, or one JSON object."""
     if args.json:
         print(msgspec.json.encode(report.as_json()).decode())
         return 0

@@ -17,6 +17,7 @@ snapshot is a cache: the actor folds its stream again). Run it with the controll
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sqlite3
 from dataclasses import dataclass, field
@@ -114,28 +115,39 @@ def _plan(conn: sqlite3.Connection, report: Report) -> tuple[dict[int, bytes], d
         _SPEC_TYPES,
     )
     for position, type_, data in rows:
-        payload = decode_payload(type_, bytes(data))
-        if isinstance(payload, ClusterCreated):
-            revision = 1
-            name = payload.spec.name
-            new_spec, found, moved = redact_env(payload.spec)
-            rewritten: ClusterCreated | ClusterSpecChanged = msgspec.structs.replace(
-                payload, spec=new_spec
-            )
-        elif isinstance(payload, ClusterSpecChanged):
-            name = payload.spec.name
-            revision = payload.revision or revisions.get(name, 0) + 1
-            new_spec, found, moved = redact_env(payload.spec)
-            rewritten = msgspec.structs.replace(payload, spec=new_spec)
-        else:
-            continue  # undecodable: left as it is (a rebuild reports it)
-        revisions[name] = revision
-        if not moved:
-            continue
+        done = redact_spec_event(decode_payload(type_, bytes(data)), revisions)
+        if done is None:
+            continue  # not a spec (undecodable: left as it is, a rebuild reports it)
+        rewritten, found, change = done
+        if change is None:
+            continue  # nothing in its env looks like a secret
         rewrites[position] = encode_payload(rewritten)
         values.update(found)
-        report.changes.append(Change(name, revision, position, type_, tuple(moved)))
+        report.changes.append(dataclasses.replace(change, position=position, type=type_))
     return rewrites, values
+
+
+def redact_spec_event(
+    payload: object, revisions: dict[str, int]
+) -> tuple[ClusterCreated | ClusterSpecChanged, dict[str, str], Change | None] | None:
+    """A stored spec with its env's secrets moved to `secret_env` references: the event
+    rewritten, the values moved (reference -> value), and what moved (None: nothing did).
+    None for any other payload. `revisions` (cluster -> its last revision) is read and kept
+    up to date, for the report: call it on the log's specs in order. Shared by the SQLite and
+    the JetStream logs' redaction."""
+    if isinstance(payload, ClusterCreated):
+        revision = 1
+        name = payload.spec.name
+    elif isinstance(payload, ClusterSpecChanged):
+        name = payload.spec.name
+        revision = payload.revision or revisions.get(name, 0) + 1
+    else:
+        return None
+    revisions[name] = revision
+    new_spec, found, moved = redact_env(payload.spec)
+    rewritten = msgspec.structs.replace(payload, spec=new_spec)
+    change = Change(name, revision, 0, "", tuple(moved)) if moved else None
+    return rewritten, found, change
 
 
 def _backup(conn: sqlite3.Connection, path: Path, stamp: str) -> Path:

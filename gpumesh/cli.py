@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     events_cli.register(events_commands, [common])
     projections_cli.register(events_commands, [common])
+    # `events redact --event-log jetstream` needs a NATS connection, which events/ does not
+    # make: the handler from wire/ (lazily imported, as every command's).
+    events_group.set_defaults(redact_jetstream=_redact_jetstream)
 
     from actors import cli as actors_cli
 
@@ -170,3 +173,9 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     while isinstance(leaf, BaseExceptionGroup):
         leaf = leaf.exceptions[0]
     return leaf
+
+
+async def _redact_jetstream(args: argparse.Namespace) -> int:
+    from wire.redact_jetstream import run
+
+    return await run(args)
