@@ -68,6 +68,10 @@ class QuotaSharer:
         self._keys = keys
         self._clock = clock
         self._gateway_id = gateway_id
+        # Told apart from another process given the same id (the operator's mistake): the
+        # start of this one, in ns of the wall clock.
+        self._instance = f"{clock.wall_ns():x}"
+        self._shared_id_said = False
         self._log = log
         self._every_s = every_s
         # gateway -> (when heard, tenant -> what it reported)
@@ -87,10 +91,23 @@ class QuotaSharer:
         except msgspec.DecodeError:
             self._log.warning("quota_report_undecodable", subject=msg.subject)
             return
-        if report.gateway_id == self._gateway_id:
-            return
-        known = report.gateway_id in self._peers
-        self._peers[report.gateway_id] = (self._clock.monotonic(), dict(report.tenants))
+        peer = report.gateway_id
+        if peer == self._gateway_id:
+            if not report.instance or report.instance == self._instance:
+                return  # our own, back from NATS (or an older gateway's: not told apart)
+            # Another process with our id: without this, each would take the other's report
+            # for its own and serve the whole limits. Share with it as a peer, and say so.
+            peer = f"{peer}#{report.instance}"
+            if not self._shared_id_said:
+                self._shared_id_said = True
+                self._log.error(
+                    "gateway_id_shared",
+                    gateway=self._gateway_id,
+                    why="another gateway runs with this --gateway-id: give each its own "
+                    "(quotas are shared with it as with any other gateway meanwhile)",
+                )
+        known = peer in self._peers
+        self._peers[peer] = (self._clock.monotonic(), dict(report.tenants))
         if not known:
             # A tenant first seen before the next tick must not start with a whole burst.
             self._keys.share_new_tenants(1.0 / (1 + len(self._peers)))
@@ -117,6 +134,7 @@ class QuotaSharer:
         self.share(demand)
         report = QuotaReport(
             gateway_id=self._gateway_id,
+            instance=self._instance,
             interval_s=round(interval, 3),
             tenants={
                 name: TenantDemand(

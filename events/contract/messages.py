@@ -359,6 +359,9 @@ class QuotaReport(
     gateway_id: str
     interval_s: float = 1.0
     tenants: dict[str, TenantDemand] = {}
+    # This gateway process's own token (its start, in ns): two gateways given one
+    # `--gateway-id` are told apart, said so, and share as two. Added later: "" from older ones.
+    instance: str = ""
 
 
 class ReplicaSuspicion(

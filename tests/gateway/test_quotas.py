@@ -228,3 +228,48 @@ def test_an_answer_ending_after_a_reload_does_not_bring_the_old_limits_back(
     assert keys.reload()
     keys.charge(new, 5)  # a tenant removed: nothing comes back
     assert "acme" not in keys.quotas
+
+
+class _Said:
+    def __init__(self) -> None:
+        self.errors: list[tuple[str, dict[str, object]]] = []
+
+    def error(self, event: str, **kw: object) -> None:
+        self.errors.append((event, kw))
+
+
+def test_two_gateways_given_one_id_are_told_apart_said_so_and_share_as_two() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        keys = ring(clock, rate_per_s=20, burst=10)
+        acme = keys.authenticate("Bearer gm-acme")
+        assert acme is not None
+        bus, said = Bus(), _Said()
+        sharer = QuotaSharer(bus, keys, clock, "gw-a", log=said)  # type: ignore[arg-type]
+        clock.now = 1.0
+        await sharer.tick()
+        ours = msgspec.json.decode(bus.sent[-1], type=QuotaReport)
+        assert ours.instance == f"{0:x}"  # the wall clock's ns when it was made
+        sharer.heard(Msg(subject=subjects.QUOTA, data=bus.sent[-1]))  # ours, back: skipped
+        assert sharer.peers == [] and said.errors == []
+        # Another process with the same --gateway-id, busy with the same tenant.
+        twin = QuotaReport(
+            gateway_id="gw-a",
+            instance="5f",
+            tenants={"acme": TenantDemand(requests_per_s=20.0, share=1.0)},
+        )
+        for _ in range(2):
+            sharer.heard(Msg(subject=subjects.QUOTA, data=msgspec.json.encode(twin)))
+        assert sharer.peers == ["gw-a#5f"]
+        assert [event for event, _ in said.errors] == ["gateway_id_shared"]  # once
+        for _ in range(25):
+            keys.admit(acme)
+        clock.now = 2.0
+        await sharer.tick()
+        assert keys.quota(acme).share == pytest.approx(0.5)  # not the whole limit each
+        # An older gateway sends no instance: not told apart (it is taken for our own).
+        older = QuotaReport(gateway_id="gw-a", tenants={})
+        sharer.heard(Msg(subject=subjects.QUOTA, data=msgspec.json.encode(older)))
+        assert sharer.peers == ["gw-a#5f"]
+
+    asyncio.run(scenario())
