@@ -401,9 +401,10 @@ async def test_the_ha_faults_are_skipped_on_a_stack_without_up_ha(tmp_path: Path
         f"controller_partition: {kinds.CANNOT_PARTITION}",
     ]
     assert result.failovers == []
-    assert "invariants checked: contiguous_versions, spread, placement_fits, liveness" in (
-        render_real(result)
-    )
+    assert (
+        "invariants checked: contiguous_versions, spread, placement_fits, "
+        "no_partial_group_serving, no_gpu_held_twice, liveness, group_serving_or_unschedulable"
+    ) in (render_real(result))
 
 
 def test_the_report_says_each_failover() -> None:

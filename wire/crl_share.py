@@ -148,7 +148,7 @@ class CrlFollower:
     async def _asking(self) -> None:
         while True:
             try:
-                reply = await self.bus.request(subjects.CRL_GET, b"", timeout=ASK_TIMEOUT_S)
+                reply = await self.bus.request(subjects.CRL_GET, b"{}", timeout=ASK_TIMEOUT_S)
             except BusError as exc:
                 self.log.debug("crl_not_fetched", error=str(exc))
             else:

@@ -155,6 +155,8 @@ def test_examples_match_their_subjects_and_builders() -> None:
         subjects.SUSPECT,
         subjects.LOAD,
         subjects.QUOTA,
+        subjects.CRL,
+        subjects.CRL_GET,
         *(subjects.api(verb) for verb in subjects.API_VERBS),
     }
     used = set()
@@ -168,7 +170,8 @@ def test_examples_match_their_subjects_and_builders() -> None:
     constants = {
         subjects.REGISTER_ALL, subjects.HEARTBEAT_ALL, subjects.REPORT_ALL,
         subjects.LEAVING_ALL, subjects.COMMAND_ALL, subjects.EVENTS_ALL, subjects.ROUTING,
-        subjects.API_ALL, subjects.SUSPECT, subjects.LOAD, subjects.QUOTA,
+        subjects.API_ALL, subjects.SUSPECT, subjects.LOAD, subjects.QUOTA, subjects.CRL,
+        subjects.CRL_GET,
     }  # fmt: skip
     assert constants <= {s.cell("Wildcard") for s in SECTIONS}
 

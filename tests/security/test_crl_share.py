@@ -85,7 +85,7 @@ def test_an_agent_that_starts_later_asks_for_the_list(tmp_path: Path) -> None:
         publisher = CrlPublisher(bus, source, LOG)
         async with _running(publisher):
             await _until(lambda: publisher.pem != "", "the publisher reads the list")
-            reply = await bus.request(subjects.CRL_GET, b"", timeout=1.0)
+            reply = await bus.request(subjects.CRL_GET, b"{}", timeout=1.0)
             assert msgspec.json.decode(reply.data, type=RevocationList).pem == source.read_text()
             follower = CrlFollower(bus, copy, cert.read_text(), LOG)
             async with _running(follower):
