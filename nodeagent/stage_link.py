@@ -416,6 +416,9 @@ class StageLinkServer:
         self._recheck_s = recheck_s
         self._log: Any = (log if log is not None else _log).bind(component="stage_link_server")
         self._streams: dict[tuple[str, str], _Served] = {}
+        # Set when a stream opens: the recheck sleeps on it while there is none, so that an
+        # agent without pipelines (most, and every simulated one) has no timer running.
+        self._first_stream = asyncio.Event()
         # Refusals, answered by one task (the subscription's handler cannot await).
         self._replies: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue()
         self._group: asyncio.TaskGroup | None = None
@@ -513,6 +516,7 @@ class StageLinkServer:
             self._refuse(head, stream_id, "cancelled", "the agent is stopping")
             return
         self._streams[key] = _Served(pipe, request, head)
+        self._first_stream.set()
         self.streams += 1
 
     async def _serve(self, key: tuple[str, str], pipe: _Pipe, address: tuple[str, int]) -> None:
@@ -573,6 +577,9 @@ class StageLinkServer:
 
     async def _recheck(self) -> None:
         while True:
+            if not self._streams:
+                self._first_stream.clear()
+                await self._first_stream.wait()
             await asyncio.sleep(self._recheck_s)
             for served in list(self._streams.values()):
                 request = served.open
