@@ -6,19 +6,37 @@ OpenAI replicas (bench/_upstream.py serve: a fixed 317-byte chat.completion, or 
 overlay's agent-side tunnel server, the proxy under test, and the load generator.
 
     python bench/gateway.py [--seconds 10] [--connections 64] [--runs 1] [--json] [--quick]
-                            [--only direct,gateway,gateway-log,overlay,aiohttp-proxy,nginx,...]
+                            [--only direct,gateway,gateway-log,overlay,gateway-front,...]
                             [--peers-venv DIR | --install-peers] [--streams 10000]
                             [--dashboard N [--dashboard-nodes 100] [--dashboard-alternate K]]
 
 Rows: direct (one replica, no proxy); gateway (`gpumesh gateway --transport direct
 --no-access-log`, three replicas); gateway-log (the same with its access log on); overlay
-(`--transport overlay`: requests tunnelled over NATS to the agent); aiohttp-proxy (a bare
-round-robin aiohttp proxy: what any aiohttp gateway starts from); nginx (when `nginx` is on
-PATH: 1 worker, keepalive 64, proxy_buffering off); vllm-router and the LiteLLM proxy (only with
---peers-venv or --install-peers). Each row: non-streaming at --connections (wrk when on PATH,
-else a Python closed loop), streaming at --connections (a Python client: time to the first
-`data:` line), and both again at one connection (the unloaded hop cost). CPU per request is
-the proxy's utime+stime from /proc over its process tree, divided by 2xx answers.
+(`--transport overlay`: requests tunnelled over NATS to the agent); gateway-front and
+gateway-front-tls (the replicas behind nodes' fronts, plain and mutual TLS: below);
+aiohttp-proxy (a bare round-robin aiohttp proxy: what any aiohttp gateway starts from); nginx
+(when `nginx` is on PATH: 1 worker, keepalive 64, proxy_buffering off); vllm-router and the
+LiteLLM proxy (only with --peers-venv or --install-peers). Each row: non-streaming at
+--connections (wrk when on PATH, else a Python closed loop), streaming at --connections (a
+Python client: time to the first `data:` line), and both again at one connection (the unloaded
+hop cost). CPU per request is the proxy's utime+stime from /proc over its process tree, divided
+by 2xx answers.
+
+gateway-front and gateway-front-tls: the direct transport as a secured stack runs it, each of
+the three replicas behind a node's fencing front (nodeagent/fencing_front.py's DirectFront, one
+process per node: bench/_tls_fronts.py front), the gateway dialling the fronts' addresses
+(http://127.0.0.1:<front>/replica/<id>/1). Both rows run on one secured stack made here with the
+real CLI (`gpumesh certs init`, `gpumesh node issue bench-node-N` for 127.0.0.1; a nats-server
+with its nats.conf, TLS and NKEYs; the routing stand-in connects as the controller) and a
+`gpumesh gateway --nats-creds gateway.creds.json`: gateway-front-tls is what `gpumesh up` does
+by default (each front serves its node's certificate and requires a gateway's of the CA, re-
+reading the CA's revocation list; the gateway dials them over mutual TLS with its certificate and
+checks theirs), gateway-front the same with the fronts and the gateway given --insecure-front
+(plain HTTP). The gateway keeps its connections to the fronts alive, so TLS costs a handshake per
+connection, not per request: issue 22's target is CPU per request at most 15% more with TLS,
+counted over the hop's two ends (the gateway and the fronts' processes); the report gives each
+run's figures, the gateway's alone too, and the TLS/plain ratio per run and its median, with the
+TLS handshakes the fronts accepted during the row.
 
 The machine may be shared: before each measurement the bench waits until processes not its own
 use under --quiet cores, and prints the foreign load during each run beside it.
@@ -84,7 +102,8 @@ from _http_load import BODY, body  # noqa: E402
 from _quick import add_quick, announce, apply_quick, mark  # noqa: E402
 
 ALL_TARGETS = (
-    *("direct", "gateway", "gateway-log", "overlay", "aiohttp-proxy"),
+    *("direct", "gateway", "gateway-log", "overlay", "gateway-front", "gateway-front-tls"),
+    "aiohttp-proxy",
     *("nginx", "vllm-router", "litellm"),
 )
 GATEWAY_ROWS = ("gateway", "gateway-log", "overlay")  # the rows --dashboard opens pages on
@@ -101,6 +120,9 @@ ADDED_P50_MS = 1.0
 OVERLAY_SHARE = 0.5
 TTFC_VS_NGINX_MS = 1.0
 STREAM_CPU_VS_NGINX = 2.0
+FRONT_TLS_CPU = 1.15  # issue 22: CPU per request through TLS fronts at most 15% more
+FRONT_ROWS = ("gateway-front", "gateway-front-tls")
+FRONT_NODE = "bench-node-{}"  # the fronts' node identities, one per upstream
 MANY_STREAMS = 10_000
 
 QUIET_SAMPLE_S = 2.0  # the foreign load is measured over this long before each measurement
@@ -321,8 +343,10 @@ class Target:
     base: str  # http://127.0.0.1:port
     key: str = ""
     children: list[Child] = field(default_factory=list)  # the proxy's processes
-    other_hops: list[int] = field(default_factory=list)  # nats-server, agent (overlay)
+    other_hops: list[int] = field(default_factory=list)  # nats-server, agent (overlay); fronts
     note: str = ""
+    aux: list[Child] = field(default_factory=list)  # the row's other processes, stopped with it
+    front_stats: list[Path] = field(default_factory=list)  # the fronts' handshakes, on exit
 
     @property
     def url(self) -> str:
@@ -343,6 +367,23 @@ class Stack:
     agent_pid: int
     hold_upstream: tuple[str, int, Child] | None
     admin_key: str = ""  # with --dashboard: in the gateways' data directory
+    secure: SecureStack | None = None  # the front rows' secured NATS, made for the first
+
+
+@dataclass
+class SecureStack:
+    """What `gpumesh up` secures, for the front rows: a data directory's CA and identities (made
+    with the CLI), and a nats-server run with its nats.conf (TLS, an NKEY per identity)."""
+
+    data_dir: Path
+    nats_url: str  # tls://127.0.0.1:port
+    nats: Child
+
+    @property
+    def layout(self) -> Any:
+        from wire.nats_access import SecurityLayout
+
+        return SecurityLayout(self.data_dir)
 
 
 def start_stack(procs: Procs, workdir: Path, args: argparse.Namespace) -> Stack:
@@ -562,12 +603,21 @@ class Dashboards:
         self.thread.join(10)
 
 
-def start_gateway(stack: Stack, name: str, transport: str, access_log: bool) -> Target:
+def start_gateway(
+    stack: Stack,
+    name: str,
+    transport: str,
+    access_log: bool,
+    *,
+    nats_url: str = "",
+    extra: Sequence[str] = (),
+) -> Target:
     port = free_port()
-    argv = [sys.executable, "-m", "gpumesh", "gateway", "--nats", stack.nats_url]
+    argv = [sys.executable, "-m", "gpumesh", "gateway", "--nats", nats_url or stack.nats_url]
     argv += ["--listen", f"127.0.0.1:{port}", "--transport", transport, "--gateway-id", name]
     if not access_log:
         argv.append("--no-access-log")
+    argv += extra
     child = stack.procs.start(
         name, argv, env={"GPUMESH_DATA_DIR": str(stack.workdir / "gpumesh-data")}
     )
@@ -579,6 +629,129 @@ def start_gateway(stack: Stack, name: str, transport: str, access_log: bool) -> 
         target.note = "requests tunnelled over NATS to the agent, which calls the replica"
     if access_log:
         target.note = "access log on: a JSON line per request to stderr (a file)"
+    return target
+
+
+def _wait_port(child: Child, port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        if time.monotonic() > deadline or child.popen.poll() is not None:
+            raise StartFailed(f"{child.name} did not start:\n{child.tail()}")
+        time.sleep(0.05)
+
+
+def _gpumesh(data_dir: Path, *argv: str) -> None:
+    """One `gpumesh` command on the data directory `data_dir`, as an operator runs it."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gpumesh", *argv],
+        cwd=ROOT,
+        env={**os.environ, "GPUMESH_DATA_DIR": str(data_dir)},
+        capture_output=True,
+        timeout=120,
+    )
+    if out.returncode != 0:
+        why = (out.stderr or out.stdout).decode(errors="replace").strip()
+        raise StartFailed(f"gpumesh {' '.join(argv)} exited {out.returncode}: {why[-500:]}")
+
+
+def start_secure(stack: Stack) -> SecureStack:
+    """The front rows' secured stack: `gpumesh certs init` (CA, nats-server's certificate, the
+    controller's and the gateway's credentials, the gateway's with its TLS certificate, nats.conf),
+    `gpumesh node issue` for each front's node (its certificate names 127.0.0.1 and localhost),
+    and a nats-server with that nats.conf (TLS and an NKEY required of every client)."""
+    from wire.nats_server import find_nats_server
+
+    data_dir = stack.workdir / "secure-data"
+    _gpumesh(data_dir, "certs", "init")
+    for i in range(1, UPSTREAMS + 1):
+        _gpumesh(data_dir, "node", "issue", FRONT_NODE.format(i))
+    port = free_port()
+    from wire.nats_access import SecurityLayout
+
+    config = SecurityLayout(data_dir).server_config
+    nats = stack.procs.start(
+        "nats-server-secure",
+        [str(find_nats_server()), "-a", "127.0.0.1", "-p", str(port), "-c", str(config)],
+    )
+    _wait_port(nats, port)
+    return SecureStack(data_dir, f"tls://127.0.0.1:{port}", nats)
+
+
+def _start_ready(procs: Procs, specs: Sequence[tuple[str, list[str]]]) -> list[Child]:
+    """Start every process at once, then wait for each one's `ready` line."""
+    children = [procs.start(name, argv, pipe=True) for name, argv in specs]
+    for child in children:
+        assert child.popen.stdout is not None
+        line = _readline(child.popen.stdout, 30.0)
+        if line.strip() != b"ready":
+            tail = child.tail()
+            for started in children:
+                procs.stop(started)
+            raise StartFailed(f"{child.name} did not start: {line!r}\n{tail}")
+    return children
+
+
+def start_gateway_front(stack: Stack, name: str, tls: bool) -> Target:
+    """gateway-front(-tls): each upstream behind a node's front (a process of its own), on the
+    secured stack; with `tls` the fronts serve mutual TLS and the gateway dials them with its
+    certificate, as `gpumesh up` runs them; else both are given --insecure-front."""
+    if stack.secure is None:
+        stack.secure = start_secure(stack)
+    secure = stack.secure
+    layout = secure.layout
+    py = sys.executable
+    specs: list[tuple[str, list[str]]] = []
+    routes: list[str] = []
+    stats: list[Path] = []
+    for i, (uid, port, _child) in enumerate(stack.upstreams, 1):
+        node, front_port = FRONT_NODE.format(i), free_port()
+        stat = stack.workdir / f"{name}-front-{i}.json"
+        stat.unlink(missing_ok=True)
+        argv = [py, str(BENCH / "_tls_fronts.py"), "front", "--port", str(front_port)]
+        argv += ["--upstream", f"http://127.0.0.1:{port}", "--stats", str(stat)]
+        if tls:
+            argv += ["--creds", str(layout.creds(node)), "--crl", str(layout.crl)]
+        specs.append((f"{name}-front-{i}", argv))
+        stats.append(stat)
+        # What an agent advertises for a replica behind its front (epoch 1 throughout here).
+        routes.append(f"{CLUSTER},r-{uid},{node},http://127.0.0.1:{front_port}/replica/r-{uid}/1")
+    fronts = _start_ready(stack.procs, specs)
+    aux = list(fronts)
+    try:
+        argv = [py, str(BENCH / "_tls_fronts.py"), "routing", "--nats", secure.nats_url]
+        argv += ["--creds", str(layout.creds("controller"))]
+        aux.append(
+            stack.procs.start(
+                f"{name}-routing",
+                argv + [x for r in routes for x in ("--route", r)],
+                ready_line=True,
+            )
+        )
+        extra = ["--nats-creds", str(layout.creds("gateway"))]
+        if not tls:
+            extra.append("--insecure-front")
+        target = start_gateway(
+            stack, name, "direct", access_log=False, nats_url=secure.nats_url, extra=extra
+        )
+        said = target.children[0].log.read_text(errors="replace")
+        if tls and "nodes' fronts over mutual TLS" not in said:
+            stack.procs.stop(target.children[0])
+            raise StartFailed(f"{name}: the gateway does not dial fronts over TLS:\n{said[-500:]}")
+    except BaseException:
+        for child in aux:
+            stack.procs.stop(child)
+        raise
+    target.aux = aux
+    target.other_hops = [c.pid for c in fronts]
+    target.front_stats = stats
+    target.note = "each replica behind a node's front (its own process), on a secured stack: " + (
+        "mutual TLS, the nodes' and the gateway's certificates of the stack's CA"
+        if tls
+        else "fronts and gateway with --insecure-front (plain HTTP)"
+    )
     return target
 
 
@@ -1015,6 +1188,123 @@ def _hold(
 # -- aggregation and output ------------------------------------------------------------------
 
 
+def front_handshakes(paths: Sequence[Path]) -> int:
+    """The TLS handshakes the fronts accepted, from what each wrote as it stopped."""
+    total = 0
+    for path in paths:
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            total += int(json.loads(path.read_text())["tls_handshakes"])
+    return total
+
+
+def _front_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One front row's run: the figures the TLS comparison reads."""
+    p = r["plain"]
+    out = {
+        "rps": p["rps"],
+        "p50_ms": p["p50_ms"],
+        "gateway_us": p["proxy_us"],
+        "fronts_us": p["other_hops_us"],
+        "total_us": p["proxy_us"] + p["other_hops_us"],
+        "box_cores": p["box_cores"],
+        "foreign_cores": p["foreign_cores"],
+        "tls_handshakes": r.get("fronts", {}).get("tls_handshakes", 0),
+        # Requests measured (warm-ups not counted): what the handshakes compare with.
+        "requests": sum(r[k]["ok"] for k in ("plain", "plain_c1") if k in r)
+        + sum(r[k]["complete"] for k in ("stream", "stream_c1") if k in r),
+    }
+    if "stream" in r:
+        out["stream_gateway_us"] = r["stream"]["proxy_us"]
+        out["stream_total_us"] = r["stream"]["proxy_us"] + r["stream"]["other_hops_us"]
+    if "plain_c1" in r:  # one connection: the machine not saturated
+        out["c1_total_us"] = r["plain_c1"]["proxy_us"] + r["plain_c1"]["other_hops_us"]
+    return out
+
+
+def front_tls_summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """gateway-front-tls against gateway-front, run by run (each round runs both, one after the
+    other: the same machine state), and the medians of the per-run ratios."""
+    plain, tls = runs.get("gateway-front"), runs.get("gateway-front-tls")
+    if not plain or not tls:
+        return None
+    pairs = []
+    for a, b in zip(plain, tls, strict=False):
+        pa, pb = _front_row(a), _front_row(b)
+        pair: dict[str, Any] = {"plain": pa, "tls": pb}
+        pair["cpu_ratio"] = pb["total_us"] / pa["total_us"] if pa["total_us"] else float("nan")
+        pair["gateway_ratio"] = (
+            pb["gateway_us"] / pa["gateway_us"] if pa["gateway_us"] else float("nan")
+        )
+        if pa.get("stream_total_us"):
+            pair["stream_ratio"] = pb["stream_total_us"] / pa["stream_total_us"]
+        if pa.get("c1_total_us") and "c1_total_us" in pb:
+            pair["c1_ratio"] = pb["c1_total_us"] / pa["c1_total_us"]
+        pairs.append(pair)
+    out: dict[str, Any] = {"runs": pairs, "target": FRONT_TLS_CPU}
+    for key in ("cpu_ratio", "gateway_ratio", "stream_ratio", "c1_ratio"):
+        values = [p[key] for p in pairs if key in p]
+        if values:
+            out[key] = statistics.median(values)
+    for side in ("plain", "tls"):
+        out[side] = {
+            key: statistics.median(p[side][key] for p in pairs)
+            for key in pairs[0][side]
+            if all(key in p[side] for p in pairs)
+        }
+    return out
+
+
+def front_tls_report(summary: dict[str, Any]) -> str:
+    rows = []
+
+    def cells(label: str, side: str, r: dict[str, Any]) -> list[str]:
+        stream = r.get("stream_total_us")
+        return [
+            label,
+            side,
+            fmt(r["rps"]),
+            fmt(r["p50_ms"], 3),
+            fmt(r["gateway_us"], 1),
+            fmt(r["fronts_us"], 1),
+            fmt(r["total_us"], 1),
+            fmt(stream, 1) if stream is not None else "-",
+            f"{int(r['tls_handshakes'])} / {int(r['requests']):,}" if side == "TLS" else "-",
+            f"{r['box_cores']:.2f}/{r['foreign_cores']:.2f}",
+        ]
+
+    for i, pair in enumerate(summary["runs"], 1):
+        rows.append(cells(f"run {i}", "plain", pair["plain"]))
+        rows.append(cells(f"run {i}", "TLS", pair["tls"]))
+    rows.append(cells("median", "plain", summary["plain"]))
+    rows.append(cells("median", "TLS", summary["tls"]))
+    text = table(
+        [
+            "",
+            "fronts",
+            "req/s",
+            "p50 ms",
+            "gateway µs/req",
+            "fronts µs/req",
+            "gateway+fronts µs/req",
+            "gateway+fronts µs/stream",
+            "TLS handshakes / requests",
+            "box/foreign cores",
+        ],
+        rows,
+    )
+
+    def ratios(key: str) -> str:
+        each = ", ".join(f"{p[key]:.3f}" for p in summary["runs"] if key in p)
+        return f"{each}; median {summary[key]:.3f}" if key in summary else "-"
+
+    return (
+        f"{text}\n\nTLS/plain, CPU per request, gateway + fronts (the hop's two ends): "
+        f"{ratios('cpu_ratio')} (target <= {summary['target']:g}); the gateway alone: "
+        f"{ratios('gateway_ratio')}; per stream, gateway + fronts: {ratios('stream_ratio')}; "
+        f"per request at one connection (unloaded), gateway + fronts: {ratios('c1_ratio')}"
+    )
+
+
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per kind (plain, stream, ...), the median of every number over the runs."""
     out: dict[str, Any] = {}
@@ -1219,7 +1509,9 @@ def unloaded_table(med: dict[str, Any], order: list[str]) -> str:
     )
 
 
-def verdicts(med: dict[str, Any], many: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+def verdicts(
+    med: dict[str, Any], many: list[dict[str, Any]], fronts: dict[str, Any] | None = None
+) -> list[tuple[str, str, str]]:
     out: list[tuple[str, str, str]] = []
 
     def check(name: str, ok: bool | None, detail: str) -> None:
@@ -1266,6 +1558,20 @@ def verdicts(med: dict[str, Any], many: list[dict[str, Any]]) -> list[tuple[str,
             name,
             gc <= STREAM_CPU_VS_NGINX * nc,
             f"{gc:.0f} µs vs nginx {nc:.0f} µs = {gc / nc:.1f}x",
+        )
+    name = (
+        f"TLS to nodes' fronts: gateway + fronts CPU per request <= {FRONT_TLS_CPU:g}x plain "
+        "(median of the runs' ratios)"
+    )
+    if fronts is None or "cpu_ratio" not in fronts:
+        check(name, None, "needs the gateway-front and gateway-front-tls rows")
+    else:
+        ratio_ = fronts["cpu_ratio"]
+        check(
+            name,
+            ratio_ <= FRONT_TLS_CPU,
+            f"{fronts['tls']['total_us']:.1f} vs {fronts['plain']['total_us']:.1f} µs/req "
+            f"(medians); ratio {ratio_:.3f} ({100 * (ratio_ - 1):+.1f}%)",
         )
     name = f"one gateway process holding {MANY_STREAMS:,} open streams"
     if not many:
@@ -1337,8 +1643,21 @@ def print_report(result: dict[str, Any]) -> None:
                 f"\noverlay: gateway + nats-server + agent together {path_req:.1f} µs/req, "
                 f"{path_stream:.0f} µs/stream (the gateway alone is the table's figure)"
             )
+        if t in FRONT_ROWS and "plain" in r:
+            path_req = r["plain"]["proxy_us"] + r["plain"]["other_hops_us"]
+            path_stream = r["stream"]["proxy_us"] + r["stream"]["other_hops_us"]
+            print(
+                f"\n{t}: gateway + fronts together {path_req:.1f} µs/req, {path_stream:.0f} "
+                "µs/stream (the gateway alone is the table's figure)"
+            )
         if note:
             print(f"{t}: {note}")
+    if result.get("front_tls"):
+        print(
+            "\n## Through nodes' fronts, plain HTTP against mutual TLS (issue 22), "
+            f"{result['connections']} connections, non-streaming\n"
+        )
+        print(front_tls_report(result["front_tls"]))
     for reason in result["skipped"]:
         print(f"skipped {reason}")
     if result["many_streams"]:
@@ -1610,8 +1929,10 @@ def main() -> int:
                     if args.dashboard is not None and name in GATEWAY_ROWS:
                         dashboard_runs.append(dash)
                 finally:
-                    for child in target.children:
+                    for child in [*target.children, *target.aux]:
                         procs.stop(child)
+                if target.front_stats:
+                    data["fronts"] = {"tls_handshakes": front_handshakes(target.front_stats)}
                 runs.setdefault(name, []).append(data)
         if args.streams:
             for transport in args.streams_transport.split(","):
@@ -1647,7 +1968,8 @@ def main() -> int:
         if args.dashboard is None
         else {"pages": args.dashboard, "nodes": args.dashboard_nodes, "runs": dashboard_runs},
     }
-    result["verdicts"] = verdicts(med, many)
+    result["front_tls"] = front_tls_summary(runs)
+    result["verdicts"] = verdicts(med, many, result["front_tls"])
     mark(args, result)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -1666,6 +1988,8 @@ def _start_target(stack: Stack, name: str, peers: dict[str, Path]) -> Target:
         return start_gateway(stack, "gateway-log", "direct", access_log=True)
     if name == "overlay":
         return start_gateway(stack, "overlay", "overlay", access_log=False)
+    if name in FRONT_ROWS:
+        return start_gateway_front(stack, name, tls=name == "gateway-front-tls")
     if name == "aiohttp-proxy":
         port = free_port()
         argv = [sys.executable, str(BENCH / "_upstream.py"), "proxy", "--port", str(port)]
