@@ -192,6 +192,19 @@ def _lost(node: NodeView | None) -> bool:
     return node is None or node.health in ("offline", "unhealthy")
 
 
+def _nodes_of_others(
+    spec: ClusterSpec, replicas: list[ReplicaView], slot: ReplicaView | None
+) -> frozenset[str]:
+    """The nodes the cluster's other live replicas run on (every stage of a pipeline)."""
+    mine = slot.replica_id if slot is not None else ""
+    return frozenset(
+        node_id
+        for r in replicas
+        if r.cluster == spec.name and r.status not in RELEASED and r.replica_id != mine
+        for node_id in r.node_ids
+    )
+
+
 def _at_fault(slot: ReplicaView) -> tuple[str, ...]:
     """The node a failed slot's replacement avoids: the one its failure names (a pipeline's
     failing stage's), else its own node; a pipeline whose failure names none avoids nothing,
@@ -779,13 +792,19 @@ class ClusterActor(EventSourcedActor[ClusterMsg, ClusterState]):
                 # The model's memory decides the GPUs: a node's, or a pipeline over several,
                 # placed in one event or not at all (docs/sharding.md).
                 links = fleet.links  # measured; a pair not measured yet is assumed
-                decision, stages = place_group(
-                    spec, nodes, everyone, avoid=avoid, now_ns=now_ns, links=links, because=because
-                )
-                if isinstance(decision, NoFit) and avoid:
+                # Never two of one cluster on one node when it can be avoided: first away from
+                # the nodes its other groups use, then from the node at fault only, then
+                # anywhere (better there than nowhere).
+                apart = _nodes_of_others(spec, everyone, slot)
+                tries = [frozenset(avoid) | apart, frozenset(avoid), frozenset()]
+                decision: Placement | NoFit = NoFit(reason="")
+                for away in dict.fromkeys(tries):
                     decision, stages = place_group(
-                        spec, nodes, everyone, now_ns=now_ns, links=links, because=because
-                    )
+                        spec, nodes, everyone, avoid=away, now_ns=now_ns, links=links,
+                        because=because,
+                    )  # fmt: skip
+                    if not isinstance(decision, NoFit):
+                        break
             else:
                 decision = schedule(nodes, spec, everyone, rng, avoid=avoid, now_ns=now_ns)
                 if isinstance(decision, NoFit) and avoid:

@@ -184,3 +184,28 @@ def test_the_plan_for_a_model_one_gpu_holds_is_an_ordinary_replica() -> None:
             assert start.stage is None
 
     run_simulation(main())
+
+
+def test_a_clusters_groups_go_to_different_nodes_when_they_can() -> None:
+    async def main() -> None:
+        # Two GPUs a node: the second group would fit beside the first, on the same two nodes;
+        # it goes to the other two, as replicas of one cluster spread.
+        async with fleet(4, gpus=2) as f:
+            assert (await f.api("cluster.create", {**SPEC, "replicas": 2})).ok
+            await f.until(lambda: f.ready("big") == ["big-0", "big-1"], within=20, why="both")
+            first = {s.node_id for s in placements(f, "big-0")[-1].stages}
+            second = {s.node_id for s in placements(f, "big-1")[-1].stages}
+            assert first.isdisjoint(second) and first | second == {"n0", "n1", "n2", "n3"}
+
+    run_simulation(main())
+
+
+def test_two_groups_share_nodes_rather_than_wait() -> None:
+    async def main() -> None:
+        async with fleet(2, gpus=2) as f:
+            assert (await f.api("cluster.create", {**SPEC, "replicas": 2})).ok
+            await f.until(lambda: f.ready("big") == ["big-0", "big-1"], within=20, why="both")
+            held = [g for r in f.state.replicas.replicas.values() for g in r.holds()]
+            assert sorted(held) == [("n0", (0,)), ("n0", (1,)), ("n1", (0,)), ("n1", (1,))]
+
+    run_simulation(main())
