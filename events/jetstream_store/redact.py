@@ -243,7 +243,13 @@ async def redact_jetstream(
     if dry_run or not found.rewrites:
         return report
     report.backup = backup_dir / f"{options.stream}.before-redact-{stamp}.jsonl"
-    await asyncio.to_thread(write_backup, messages, report.backup)
+    try:
+        await asyncio.to_thread(write_backup, messages, report.backup)
+    except OSError as exc:
+        # Before anything on the server is touched: a full disk here loses nothing.
+        raise StoreIOError(
+            f"cannot write the backup {report.backup}: {exc.strerror or exc}; nothing was changed"
+        ) from None
     progress(f"backup of {len(messages)} messages in {report.backup}")
     for ref, value in found.values.items():
         await store_value(ref, value)

@@ -21,6 +21,7 @@ from events import (
     NodeHeartbeat,
     NodeRegistered,
 )
+from events.errors import StoreIOError
 from events.jetstream_store.redact import (
     read_backup,
     read_stream,
@@ -125,3 +126,25 @@ async def test_redact_rewrites_the_stream_keeping_every_position(tmp_path: Path)
         ]
     finally:
         await nc.close()
+
+
+async def test_a_backup_that_cannot_be_written_changes_nothing(tmp_path: Path) -> None:
+    options = fresh_options()
+    before = await _old_log(options)
+    nc = await connect()
+    try:
+        original = await read_stream(nc, options)
+        with pytest.raises(StoreIOError, match=r"cannot write the backup .*nothing was changed"):
+            await redact_jetstream(
+                nc,
+                options,
+                backup_dir=tmp_path / "no-such-dir",
+                stamp="T",
+                store_value=lambda ref, value: None,
+                progress=lambda _: None,
+            )
+        assert await read_stream(nc, options) == original
+    finally:
+        await nc.close()
+    async with opened(options) as store:
+        assert [(e.position, e.event_id) for e in await store.read_all(1, 1000)] == before
