@@ -87,11 +87,14 @@ class OutboxPublisher:
         window: int = 256,
         max_age: float = DEFAULT_MAX_AGE_S,
         ack_timeout: float = 5.0,
+        request_timeout: float = 1.0,
         retry_initial: float = 0.1,
         retry_max: float = 5.0,
     ) -> None:
         if window < 1:
             raise ValueError("window must be at least 1")
+        if request_timeout <= 0:
+            raise ValueError("request_timeout must be positive")
         self.store = store
         self.bus = bus
         self.window = window
@@ -104,6 +107,13 @@ class OutboxPublisher:
         self.pauses = 0  # how many times an error made it back off (outages, mostly)
         self._progress: asyncio.Event | None = None  # set (and dropped) on the next ack
         self._js: JetStreamContext = bus.jetstream(timeout=ack_timeout)
+        # For the JetStream API requests (the stream's set-up, its info, a message): answered at
+        # once, or, while the stream or JetStream's meta group has no leader (seconds after the
+        # server leading it dies), never, not even once a leader is elected. Waiting ack_timeout
+        # for such an answer held the publisher up to 5 s past the election (and the back-off
+        # on top, again per request); the log's writer resends within 1 s instead. A short
+        # timeout, and run()'s retry, resume it within about a second of the election.
+        self._api: JetStreamContext = bus.jetstream(timeout=request_timeout)
         self._stream_ready = False
 
     def stream_config(self) -> StreamConfig:
@@ -117,15 +127,17 @@ class OutboxPublisher:
         )
 
     async def ensure_stream(self) -> None:
-        await ensure_stream(self._js, self.stream_config(), replicas=self.bus.stream_replicas)
+        await ensure_stream(self._api, self.stream_config(), replicas=self.bus.stream_replicas)
         self._stream_ready = True
 
     async def run(self) -> None:
         """Publish everything not yet on the stream, then follow the store, until cancelled or
         the store closes. NATS outages pause it (with back-off); nothing is skipped."""
         delay = self.retry_initial
+        loop = asyncio.get_running_loop()
         while True:
             before = self.published
+            began = loop.time()
             try:
                 if not self._stream_ready:
                     await self.ensure_stream()
@@ -137,9 +149,12 @@ class OutboxPublisher:
                 if self.published > before:
                     delay = self.retry_initial
                 self.pauses += 1
-                log.warning("outbox_paused", error=describe(exc), retry_in_s=delay)
+                # The back-off spaces the tries' starts: a try that waited out a timeout has
+                # waited already (else each request_timeout, and the back-off on top, again).
+                pause = max(0.0, delay - (loop.time() - began))
+                log.warning("outbox_paused", error=describe(exc), retry_in_s=round(pause, 2))
                 self._stream_ready = False  # a restarted server may have lost it
-                await asyncio.sleep(delay)
+                await asyncio.sleep(pause)
                 delay = min(delay * 2, self.retry_max)
 
     async def publish_pending(self) -> int:
@@ -169,7 +184,7 @@ class OutboxPublisher:
     async def resume_point(self) -> ResumePoint:
         """Where the stream ends: its last sequence and the position of the last event on it."""
         try:
-            info = await self._js.stream_info(subjects.EVENTS_STREAM)
+            info = await self._api.stream_info(subjects.EVENTS_STREAM)
         except nats.errors.Error as exc:
             raise BusError(f"cannot read {subjects.EVENTS_STREAM}: {describe(exc)}") from exc
         state = info.state
@@ -183,7 +198,7 @@ class OutboxPublisher:
         lowest = max(int(state.first_seq), last_seq - _RESUME_SCAN_LIMIT + 1)
         for seq in range(last_seq, lowest - 1, -1):
             try:
-                raw = await self._js.get_msg(subjects.EVENTS_STREAM, seq)
+                raw = await self._api.get_msg(subjects.EVENTS_STREAM, seq)
             except NotFoundError:
                 continue  # deleted or aged out in between
             except nats.errors.Error as exc:

@@ -22,7 +22,8 @@ Then it lets everything settle and checks:
     versions 1..n with no gap or repeat (heartbeat streams, which compaction trims, apart);
     every event the workload saw committed is there at its position; every acknowledged
     operation has its event, once, in the order acknowledged (check_ops_in_order);
-  - the events stream (GPUMESH_EVENTS, the outbox's copy): every log position once, in order;
+  - the events stream (GPUMESH_EVENTS, the outbox's copy): every log position once, in order,
+    once it holds the log's head (waited for, up to OUTBOX_TIMEOUT_S: outbox_caught_up_s);
   - live state equals a rebuild of the log on every controller: the leader's through its
     control API (clusters, replicas and their epochs and states, node health), and then the
     standby's: its roster entry has applied the log's head, and after the leader is stopped
@@ -60,6 +61,7 @@ from typing import Any, TypeVar
 import aiohttp
 import msgspec
 import nats.errors
+from nats.js import JetStreamContext
 
 import projections
 from actors.errors import ControllerError
@@ -67,6 +69,7 @@ from actors.roster import Roster
 from bench._crashloop_common import Ledger, check_ops_in_order, operations, ops_problems, say
 from bench._gateway_process import GatewayProcess
 from events.contract import subjects
+from events.contract.subjects import POSITION_HEADER
 from events.envelope import Envelope
 from events.jetstream_store import JetStreamEventStore, JetStreamOptions
 from runtime.env import BusError
@@ -84,6 +87,7 @@ LEADER_WAIT_S = 15.0  # a "leader" victim drawn while none leads: wait this long
 NATS_READY_S = 30.0  # before a server is killed, the last one back and every stream current
 SETTLE_TIMEOUT_S = 120.0
 COMPARE_TIMEOUT_S = 30.0
+OUTBOX_TIMEOUT_S = 30.0  # settled: the events stream holds the log's head within this long
 ATTRIBUTE_WINDOW_S = 15.0  # a failed request is put down to a kill this recent at most
 
 
@@ -459,7 +463,8 @@ async def settle(ha: Ha) -> float:
         )
 
     await stack.wait_until(healthy, timeout=SETTLE_TIMEOUT_S, why="every node healthy")
-    await asyncio.sleep(3.0)  # the outbox catches up with the log
+    # The outbox catching up with the log is waited for in check_all (outbox_caught_up), for
+    # the head of the very log that check_outbox compares.
     return round(time.monotonic() - began, 1)
 
 
@@ -507,6 +512,34 @@ def check_log(log: list[Envelope], ledger: Ledger) -> list[str]:
     if lost:
         problems.append(f"{len(lost)} events seen committed are gone or moved: {lost[:3]}")
     return problems
+
+
+async def _events_head(js: JetStreamContext) -> int:
+    """The log position on the events stream's last message (0: none, or no stream yet)."""
+    info = await js.stream_info(subjects.EVENTS_STREAM)
+    if not info.state.messages:
+        return 0
+    raw = await js.get_msg(subjects.EVENTS_STREAM, int(info.state.last_seq))
+    return int((raw.headers or {}).get(POSITION_HEADER, 0))
+
+
+async def outbox_caught_up(stack: Stack, head: int) -> dict[str, Any]:
+    """Until the events stream holds log position `head` (its last message's position is at
+    least that), for up to OUTBOX_TIMEOUT_S: the outbox, in the leading controller, follows the
+    log and may be paused (backing off) after an outage. Not caught up by then is not hidden:
+    check_outbox reports what is missing."""
+    began = time.monotonic()
+    js = stack.bus.jetstream(timeout=2.0)
+    seen = 0
+    while True:
+        with contextlib.suppress(nats.errors.Error, TimeoutError, ValueError):
+            seen = await _events_head(js)
+        waited = round(time.monotonic() - began, 2)
+        if seen >= head:
+            return {"caught_up": True, "waited_s": waited, "head": head}
+        if waited > OUTBOX_TIMEOUT_S:
+            return {"caught_up": False, "waited_s": waited, "head": head, "events_head": seen}
+        await asyncio.sleep(0.2)
 
 
 async def check_outbox(stack: Stack, log: list[Envelope]) -> tuple[int, list[str]]:
@@ -931,6 +964,8 @@ async def check_all(ha: Ha, ledger: Ledger) -> dict[str, Any]:
     problems += check_log(log, ledger)
     ops = check_ops_in_order(log, ledger)
     problems += ops_problems(ops)
+    # Before check_outbox, and before the hand-over below stops the leader and its outbox.
+    caught_up = await outbox_caught_up(stack, log[-1].position if log else 0)
     published, outbox = await check_outbox(stack, log)
     problems += outbox
     _leaders, leader_problems = check_leaders(ha, log)
@@ -955,6 +990,10 @@ async def check_all(ha: Ha, ledger: Ledger) -> dict[str, Any]:
         "log_head": log[-1].position if log else 0,
         "heartbeats_in_log": sum(1 for e in log if e.type == HEARTBEAT),
         "events_stream_messages": published,
+        # How long the outbox took to publish the log's head once settled (None: it did not,
+        # within OUTBOX_TIMEOUT_S; check_outbox says what is missing).
+        "outbox_caught_up_s": caught_up["waited_s"] if caught_up["caught_up"] else None,
+        "outbox_wait": caught_up,
         "ops_acknowledged": len(ledger.ops),
         "ops_by_verb": dict(Counter(v for v, _, _ in ledger.ops)),
         "ops_matched": ops["matched"],

@@ -12,6 +12,8 @@ Target (issue 3): at least 20,000 heartbeats/s recorded as events. With `--store
 the log of record is the JetStream store (events/jetstream_store/) on three local nats-servers
 clustered by routes, each with `sync_interval: always`, the stream R3 (issue 16's target: the
 same 20,000/s by the leader on that store); the controller and the load then use that cluster.
+There the store is fenced on a term record, as a leading controller's is (actors/fenced_store.py:
+every append conditional on the term); `--unfenced` measures the bare store.
 A benchmark, not a test.
 """
 
@@ -125,27 +127,50 @@ async def nats_for(args: argparse.Namespace, tmp: Path) -> AsyncIterator[tuple[s
         yield ",".join(urls), None
 
 
-async def open_store(args: argparse.Namespace, tmp: Path, bus: NatsBus) -> EventStore:
+class _Leading:
+    """The bench's controller leads throughout: its lease never lapses."""
+
+    def holds_lease(self) -> bool:
+        return True
+
+    def deposed(self, reason: str) -> None:
+        raise SystemExit(f"the bench's store was deposed: {reason}")
+
+
+async def open_store(
+    args: argparse.Namespace, tmp: Path, bus: NatsBus
+) -> tuple[EventStore, EventStore]:
+    """(what the controller writes through, the store underneath to close)."""
     if args.store == "sqlite":
-        return await SqliteEventStore.open(tmp / "events.db")
+        store = await SqliteEventStore.open(tmp / "events.db")
+        return store, store
     from events.jetstream_store import JetStreamEventStore, JetStreamOptions
 
     # A fresh cluster elects its JetStream meta leader a few seconds after it is ready.
     for attempt in range(60):
         try:
-            return await JetStreamEventStore.open(bus.client, JetStreamOptions(replicas=3))
+            js = await JetStreamEventStore.open(bus.client, JetStreamOptions(replicas=3))
+            break
         except EventStoreError:
             if attempt == 59:
                 raise
             await asyncio.sleep(0.5)
-    raise AssertionError("unreachable")
+    if args.unfenced:
+        return js, js
+    from actors.fenced_store import fenced
+    from events import LeaderTermBegan, NewEvent
+
+    leader = fenced(js, _Leading(), term=1)
+    record = LeaderTermBegan(controller_id="bench", term=1)
+    await leader.begin_term(NewEvent(event_id="bench-term-1", payload=record, recorded_at=0))
+    return leader, js
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         async with nats_for(args, Path(tmp)) as (url, server_pid):
             bus = await NatsBus.connect(url, name="bench-controller")
-            store = await open_store(args, Path(tmp), bus)
+            store, underneath = await open_store(args, Path(tmp), bus)
             # Heartbeats arrive every nodes/rate seconds per node: give silence detection room.
             interval = max(1.0, args.nodes / args.rate * 2)
             # Each node beats rate/nodes times a second, faster than a real agent: raise the
@@ -224,7 +249,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     nats_cpu = sum(c for c in found if c is not None) if found else None
                 ctl.cancel()
                 obs.cancel()
-            await store.close()
+            await underneath.close()
             await bus.close()
     # Steady state: drop the first and last 10% of commit times.
     steady = window[len(window) // 10 : len(window) * 9 // 10] or window
@@ -233,6 +258,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     latencies.sort()
     return {
         "store": args.store,
+        "fenced": args.store != "sqlite" and not args.unfenced,
         "nodes": args.nodes,
         "offered_per_second": args.rate,
         "sent": sent,
@@ -333,6 +359,11 @@ def main() -> int:
         default="sqlite",
         help="the log of record: SQLite (FULL) on one nats-server, or the JetStream store on "
         "an R3 stream of three local servers with sync_interval always",
+    )
+    parser.add_argument(
+        "--unfenced",
+        action="store_true",
+        help="jetstream-r3: the bare store, not fenced on a term as a leader's is",
     )
     parser.add_argument("--json", action="store_true")
     add_quick(parser, " ".join(f"--{k} {v:g}" for k, v in QUICK.items()))

@@ -31,6 +31,9 @@ from .options import JetStreamOptions
 WRONG_LAST_SEQUENCE: Final = 10071
 BATCH_INCOMPLETE: Final = 10176
 BATCH_DUPLICATE_MSG_ID: Final = 10201
+# "wrong last sequence" with none given: a conditional publish on the same subject is still
+# in flight on a clustered stream (nats-server takes one at a time per subject).
+EXPECTATION_IN_FLIGHT: Final = 10164
 STREAM_NOT_FOUND: Final = 10059
 NO_MESSAGE_FOUND: Final = 10037
 # Account or server storage exhausted, or the stream's own limit reached.

@@ -17,6 +17,9 @@ What the server may answer, and what the writer does:
   memory store appends an event whose id compaction forgot.
 - 10176 batch incomplete: the server abandoned the batch (too many in flight, or a message
   lost on the way); nothing of it was stored, so it is sent again.
+- 10164 wrong last sequence, without one: on a clustered stream, another conditional publish
+  on the subject checked is still being replicated (the server keeps one in flight per
+  subject). Nothing was stored; it is sent again a moment later.
 
 A fenced writer (a leader's, store.fence) sends another condition instead of its stream's:
 that the log's term record is still the one of its own term
@@ -25,6 +28,11 @@ the term on every append, and the writer checks each stream's version itself, ag
 that is exact for the term: everything before the term record was read when it began, and
 nothing after it can be written but by this writer. A 10071 then means only that a newer term
 is recorded: TermEnded, nothing written.
+
+A fenced writer's publishes all check the one terms subject, which a clustered stream takes
+one at a time: they go through FencedCommits (commits.py), which sends whatever waits as one
+batch per replication round. A fenced `append_many` puts its appends there together, so a turn
+of heartbeats is one batch (or several of MAX_BATCH events).
 """
 
 from __future__ import annotations
@@ -46,10 +54,12 @@ from events.errors import (
 from events.store import ANY
 
 from . import messages as m
+from .commits import FencedCommits, Pending
 from .index import LogIndex, StreamState
 from .jsapi import (
     BATCH_DUPLICATE_MSG_ID,
     BATCH_INCOMPLETE,
+    EXPECTATION_IN_FLIGHT,
     WRONG_LAST_SEQUENCE,
     Api,
     NoStreamResponder,
@@ -104,6 +114,10 @@ class Turns:
         self._last = Turn()
         self._last.release()
 
+    def idle(self) -> bool:
+        """Whether every append made so far has sent: one made now sends at once."""
+        return self._last.sent
+
     def take(self) -> tuple[Turn, Turn]:
         before, mine = self._last, Turn()
         self._last = mine
@@ -140,6 +154,7 @@ class Writer:
         self._tail = tail
         self._options = api.options
         self._batch_slots = asyncio.Semaphore(api.options.max_inflight_batches)
+        self._commits = FencedCommits(api, index)  # a fenced writer's sends (commits.py)
         self._batches = 0
         self.turns = Turns()
         self.acked_max = 0  # the highest sequence this store has seen acknowledged
@@ -160,15 +175,18 @@ class Writer:
         only then are the acknowledgements awaited, in order: one round trip for a turn of
         heartbeats, without a task per append. Any other takes a task, in its turn; once one
         does, those after it do too, so they still send in order."""
-        results: list[list[int] | EventStoreError] = [[] for _ in work]
         fence = self.fence  # what they are made under, whatever it becomes meanwhile
+        if fence is not None:
+            return await self._append_many_fenced(work, fence)
+        results: list[list[int] | EventStoreError] = [[] for _ in work]
         # (index, what completes it, the lock it holds if it is a coroutine not yet started)
         pending: list[tuple[int, Awaitable[list[int]], asyncio.Lock | None]] = []
         for i, (stream, events, expected) in enumerate(work):
             before, turn = self.turns.take()
             state = self._index.state(stream)
             if not (
-                before.sent
+                fence is None  # fenced, each waits for the gate in its turn
+                and before.sent
                 and len(events) == 1
                 and not state.stale
                 and not state.lock.locked()
@@ -349,7 +367,7 @@ class Writer:
                     await asyncio.sleep(_BACKOFF_S * attempt)
             elif code == BATCH_DUPLICATE_MSG_ID:
                 dedupe = False
-            elif code == BATCH_INCOMPLETE:
+            elif code in (BATCH_INCOMPLETE, EXPECTATION_IN_FLIGHT):
                 await asyncio.sleep(_BACKOFF_S * attempt)
             else:
                 raise api_failure(self._options, ack.error)
@@ -368,6 +386,11 @@ class Writer:
         fence: Fence,
     ) -> PubAck:
         """Send, give up the turn, then wait for the acknowledgement."""
+        if fence is not None:
+            pending = self._commits.submit(stream, events, state.version + 1, dedupe, fence)
+            turn.release()
+            await self._commits.settle([pending])
+            return pending.done.result()
         if len(events) == 1:
             sent = await self._send_one(stream, state, events, dedupe, fence)
             turn.release()
@@ -433,6 +456,89 @@ class Writer:
             # Only the commit is acknowledged; these are queued on the connection before it.
             await self._api.send_only(subject, m.body(event), hdrs)
         raise AssertionError("a batch has at least two events")
+
+    # ------------------------------------------------------------------ a fenced append_many
+
+    async def _append_many_fenced(
+        self, work: Sequence[tuple[str, Sequence[NewEvent], int]], fence: tuple[str, int]
+    ) -> list[list[int] | EventStoreError]:
+        """A fenced append_many: in one turn, every append that can go without asking the
+        server anything (its stream known and where it expects, not a retry) goes in atomic
+        batches of up to MAX_BATCH events, in the order given; then the others, one by one,
+        as `append` sends them. A batch is stored whole or not at all (each of its appends
+        then gets the error)."""
+        results: list[list[int] | EventStoreError] = [[] for _ in work]
+        before, turn = self.turns.take()
+        held: dict[str, StreamState] = {}
+        rest: list[int] = []
+        try:
+            if not before.sent:
+                await before.wait()
+            group: list[int] = []
+            for i, (stream, events, expected) in enumerate(work):
+                if stream in held:
+                    rest.append(i)  # a stream twice: its second append goes on its own
+                    continue
+                state = self._index.state(stream)
+                await state.lock.acquire()  # behind the appends made before, in flight there
+                held[stream] = state
+                try:
+                    simple = (
+                        not state.stale
+                        and expected in (ANY, state.version)
+                        and not self._index.recently_forgotten(events)
+                        and self._index.already_stored(stream, events) is None
+                    )
+                except DuplicateEventId:
+                    simple = False
+                (group if simple else rest).append(i)
+            if len(group) == 1:
+                rest[:0] = group  # alone, it goes as `append` sends it
+                rest.sort()
+                group = []
+            pendings = [
+                self._commits.submit(
+                    work[i][0], work[i][1], held[work[i][0]].version + 1, True, fence
+                )
+                for i in group
+            ]
+            turn.release()
+            await self._commits.settle(pendings)
+            for i, pending in zip(group, pendings, strict=True):
+                results[i] = self._settled(work[i], held[work[i][0]], pending)
+        finally:
+            for state in held.values():
+                state.lock.release()
+            turn.release()
+        for i in rest:
+            stream, events, expected = work[i]
+            state = self._index.state(stream)
+            done = Turn()
+            done.release()
+            try:
+                await state.lock.acquire()
+                results[i] = await self._locked(stream, state, events, expected, done, fence)
+            except EventStoreError as exc:
+                results[i] = exc
+        return results
+
+    def _settled(
+        self, append: tuple[str, Sequence[NewEvent], int], state: StreamState, pending: Pending
+    ) -> list[int] | EventStoreError:
+        stream, events, _ = append
+        error = pending.done.exception()
+        if error is not None:
+            if isinstance(error, StoreIOError):
+                state.stale = True  # it may have been stored all the same
+            if isinstance(error, EventStoreError):
+                return error
+            raise error
+        seq = pending.done.result().seq
+        positions = list(range(seq - len(events) + 1, seq + 1))
+        self._tail.remember(stream, events, positions, state.version + 1)
+        self._index.record(stream, events, positions)
+        self.acked_max = max(self.acked_max, seq)
+        return positions
 
     async def _catch_up(
         self, stream: str, state: StreamState, events: Sequence[NewEvent], fence: Fence

@@ -200,3 +200,89 @@ async def test_an_append_retried_after_its_term_ended_keeps_its_fence(
         with pytest.raises(Deposed):
             await appending
         assert await new.read_stream("controller/c1") == []
+
+
+async def test_a_fenced_append_many_is_one_batch_of_consecutive_positions(
+    options: JetStreamOptions,
+) -> None:
+    """A leader's turn of heartbeats is one atomic batch fenced on its first message (a
+    clustered stream takes one conditional publish per subject at a time): each append gets
+    its own stream's next version, the positions follow the order given, and a newer term
+    refuses the whole batch."""
+    make = EventMaker()
+    async with opened(options) as old, opened(options) as new:
+        leader = fenced(old, Lease(), term=1)
+        await leader.begin_term(make(LeaderTermBegan(controller_id="c1", term=1)))
+        await leader.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
+        head = await old.head()
+        beats = [
+            ("heartbeat/a", [make(NodeHeartbeat(node_id="a", seq=0))], ANY),
+            ("node/a", [make(note("a", 1)), make(note("a", 2))], 1),
+            ("heartbeat/b", [make(NodeHeartbeat(node_id="b", seq=0))], NO_STREAM),
+        ]
+        assert await leader.append_many(beats) == [
+            [head + 1],
+            [head + 2, head + 3],
+            [head + 4],
+        ]
+        assert [e.version for e in await old.read_stream("node/a")] == [1, 2, 3]
+        again = [(s, [make(NodeHeartbeat(node_id=s[-1], seq=1))], ANY) for s, _, _ in beats[::2]]
+        assert await leader.append_many(again) == [[head + 5], [head + 6]]
+        assert [e.version for e in await old.read_stream("heartbeat/b")] == [1, 2]
+        # A stream named twice cannot share a batch: each append goes alone, in order.
+        twice = [
+            ("node/a", [make(note("a", 3))], 3),
+            ("node/a", [make(note("a", 4))], 4),
+        ]
+        assert await leader.append_many(twice) == [[head + 7], [head + 8]]
+        await fenced(new, Lease(), term=2).begin_term(
+            make(LeaderTermBegan(controller_id="c2", term=2))
+        )
+        head = await new.head()
+        outcomes = await leader.append_many(
+            [(s, [make(NodeHeartbeat(node_id=s[-1], seq=2))], ANY) for s, _, _ in beats[::2]]
+        )
+        assert all(isinstance(o, Deposed) for o in outcomes)
+        assert await new.head() == head
+
+
+async def test_fenced_appends_made_while_one_is_in_flight_go_as_one_batch(
+    options: JetStreamOptions,
+) -> None:
+    """While a fenced publish awaits its answer, the appends made meanwhile wait and then go
+    together (a group commit, events/jetstream_store/commits.py); one cancelled while it
+    waits is taken out and writes nothing."""
+    make = EventMaker()
+    async with opened(options) as store:
+        leader = fenced(store, Lease(), term=1)
+        await leader.begin_term(make(LeaderTermBegan(controller_id="c1", term=1)))
+        head = await store.head()
+        answered = asyncio.Event()
+        real_acked = store._api.acked
+
+        async def held(sent: Any) -> Any:
+            await answered.wait()
+            return await real_acked(sent)
+
+        store._api.acked = held  # type: ignore[method-assign]
+        first = asyncio.ensure_future(
+            leader.append("node/a", [make(NodeRegistered(node_id="a"))], NO_STREAM)
+        )
+        await asyncio.sleep(0.05)  # sent; its answer held back
+        waiting = [
+            asyncio.ensure_future(
+                leader.append(f"node/{n}", [make(NodeRegistered(node_id=n))], NO_STREAM)
+            )
+            for n in "bcd"
+        ]
+        await asyncio.sleep(0.05)
+        waiting[1].cancel()  # node/c: queued, not sent
+        answered.set()
+        assert await first == [head + 1]
+        assert await waiting[0] == [head + 2]
+        assert await waiting[2] == [head + 3]
+        with pytest.raises(asyncio.CancelledError):
+            await waiting[1]
+        assert store._writer._commits.batches_sent == 1  # b and d, together
+        assert await store.read_stream("node/c") == []
+        assert await store.head() == head + 3

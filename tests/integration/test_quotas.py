@@ -49,6 +49,7 @@ async def test_a_token_budget_refuses_once_spent_and_counts_streams_too(
         aiohttp.ClientSession() as http,
     ):
         await source.publish({"llama": [route("u0", upstream.address)]})
+        await until(lambda: len(gw.router.routes("llama")) == 1)
         url = f"{gw.url}/v1/chat/completions"
         async with http.post(url, json={**CHAT, "stream": True}, headers=ACME) as resp:
             assert resp.status == 200
