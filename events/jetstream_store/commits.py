@@ -39,6 +39,7 @@ from .jsapi import (
     EXPECTATION_IN_FLIGHT,
     WRONG_LAST_SEQUENCE,
     Api,
+    Leaderless,
     NoStreamResponder,
     PubAck,
     Sent,
@@ -51,7 +52,6 @@ Fence = tuple[str, int]
 
 _ATTEMPTS: Final = 8
 _BACKOFF_S: Final = 0.02
-_LEADERLESS_WAIT_S: Final = 0.1
 
 
 @dataclass(slots=True)
@@ -162,7 +162,7 @@ class FencedCommits:
     async def _acked(self, lot: list[Pending]) -> PubAck:
         """Publish the lot until the server stores it or an answer settles it."""
         alone = len(lot) == 1 and len(lot[0].events) == 1
-        leaderless_until = 0.0
+        leaderless = Leaderless(self._options)
         ack: PubAck | None = None
         attempt = 0
         while attempt < _ATTEMPTS:
@@ -174,14 +174,9 @@ class FencedCommits:
                     sent = await self._send_batch(lot)
                 ack = await self._api.acked(sent)
             except NoStreamResponder:
-                # The stream is electing a leader (its leader's server died): ask again, for
-                # as long as a request may take.
-                now = asyncio.get_running_loop().time()
-                leaderless_until = leaderless_until or now + self._options.request_timeout_s
-                if now > leaderless_until:
+                if not await leaderless.wait():
                     raise
                 attempt -= 1
-                await asyncio.sleep(_LEADERLESS_WAIT_S)
                 continue
             if ack.error is None:
                 # A lone publish may be answered "duplicate": its append decides what that is.

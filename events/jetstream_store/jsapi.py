@@ -93,6 +93,26 @@ class NoStreamResponder(StoreIOError):
     moment after its leader's server died, the stream has no leader yet."""
 
 
+class Leaderless:
+    """A publish answered "no responders" while its stream elects a leader (its leader's
+    server died) is sent again, every 0.1 s, for as long as one request may take."""
+
+    WAIT_S: Final = 0.1
+
+    def __init__(self, options: JetStreamOptions) -> None:
+        self._limit_s = options.request_timeout_s
+        self._until = 0.0
+
+    async def wait(self) -> bool:
+        """Wait before the next try; False once the time for it is over (raise then)."""
+        now = asyncio.get_running_loop().time()
+        self._until = self._until or now + self._limit_s
+        if now > self._until:
+            return False
+        await asyncio.sleep(self.WAIT_S)
+        return True
+
+
 class _NoDirectResponder(StoreIOError):
     """No server answered a direct get (status 503)."""
 

@@ -62,6 +62,7 @@ from .jsapi import (
     EXPECTATION_IN_FLIGHT,
     WRONG_LAST_SEQUENCE,
     Api,
+    Leaderless,
     NoStreamResponder,
     PubAck,
     Sent,
@@ -73,7 +74,6 @@ from .tail import Tail
 
 _ATTEMPTS: Final = 8
 _BACKOFF_S: Final = 0.02
-_LEADERLESS_WAIT_S: Final = 0.1
 _UNBOUNDED: Final = 1 << 62
 _STALE_READS: Final = 50
 
@@ -306,7 +306,7 @@ class Writer:
         dedupe = not self._index.recently_forgotten(events)
         caught_up = False
         ack: PubAck | None = None
-        leaderless_until = 0.0
+        leaderless = Leaderless(self._options)
         attempt = 0
         while attempt < _ATTEMPTS:
             attempt += 1
@@ -324,14 +324,9 @@ class Writer:
                 try:
                     ack = await self._publish(stream, state, events, dedupe, turn, fence)
                 except NoStreamResponder:
-                    # The stream is electing a leader (its leader's server died): ask again,
-                    # for as long as a request may take.
-                    now = asyncio.get_running_loop().time()
-                    leaderless_until = leaderless_until or now + self._options.request_timeout_s
-                    if now > leaderless_until:
+                    if not await leaderless.wait():
                         raise
                     attempt -= 1
-                    await asyncio.sleep(_LEADERLESS_WAIT_S)
                     continue
             if ack.error is None and not ack.duplicate:
                 positions = list(range(ack.seq - len(events) + 1, ack.seq + 1))
