@@ -28,12 +28,11 @@ Decoding never raises anything but FrameError, whose message is one line.
 
 from __future__ import annotations
 
-import struct
 from typing import Final, Literal
 
 import msgspec
 
-from events.contract import subjects
+from events.contract import framing, subjects
 
 # Head -> worker only.
 OPEN: Final = 0x01  # meta StageOpen: connect me to this stage's engine
@@ -54,7 +53,7 @@ KIND_NAMES: Final = {
     ERROR: "ERROR",
 }
 
-_PREFIX: Final = struct.Struct(">BII")
+_PREFIX: Final = framing.PREFIX  # not imported by name: see framing.PREFIX
 PREFIX_SIZE: Final = _PREFIX.size  # 9 bytes
 
 # DATA payloads stay at or below this: far under NATS's default max_payload (1 MiB), small
@@ -115,44 +114,34 @@ class StageError(
 Meta = StageOpen | StageAccept | StageCredit | StageError
 
 
-class FrameError(ValueError):
+class FrameError(framing.FrameError):
     """Bytes that are not a stage link frame; the message is one line."""
 
 
-class Frame(msgspec.Struct, frozen=True):
-    kind: int
-    seq: int = 0
-    meta: Meta | None = None
-    payload: bytes = b""
-
-    @property
-    def kind_name(self) -> str:
-        return KIND_NAMES.get(self.kind, f"0x{self.kind:02x}")
+class Frame(framing.Frame[Meta], frozen=True):
+    kind_names = KIND_NAMES
 
 
-_ENCODER: Final = msgspec.json.Encoder()
-_META_TYPES: Final[dict[int, type[Meta] | None]] = {
-    OPEN: StageOpen,
-    ACCEPT: StageAccept,
-    DATA: None,
-    CREDIT: StageCredit,
-    CLOSE: None,
-    ERROR: StageError,
-}
-_DECODERS: Final = {
-    kind: msgspec.json.Decoder(cls) for kind, cls in _META_TYPES.items() if cls is not None
-}
+_CODEC: Final[framing.Codec[Meta, Frame]] = framing.Codec(
+    "stage link",
+    {
+        OPEN: StageOpen,
+        ACCEPT: StageAccept,
+        DATA: None,
+        CREDIT: StageCredit,
+        CLOSE: None,
+        ERROR: StageError,
+    },
+    frame=Frame,
+    error=FrameError,
+    max_chunk={DATA: MAX_CHUNK},
+)
 
-
-def encode(kind: int, *, seq: int = 0, meta: Meta | None = None, payload: bytes = b"") -> bytes:
-    """One frame. `meta` must be the kind's meta type (None for DATA and CLOSE)."""
-    expected = _META_TYPES.get(kind, ...)
-    if expected is ...:
-        raise ValueError(f"unknown stage link frame kind 0x{kind:02x}")
-    if (meta is None) != (expected is None) or (meta is not None and type(meta) is not expected):
-        raise ValueError(f"a {KIND_NAMES[kind]} frame takes {expected!r} as meta, not {meta!r}")
-    raw = _ENCODER.encode(meta) if meta is not None else b""
-    return b"".join((_PREFIX.pack(kind, seq, len(raw)), raw, payload))
+# encode(kind, *, seq=0, meta=None, payload=b""): one frame; `meta` must be the kind's meta type
+# (None for DATA and CLOSE). decode(data): the Frame in `data`, else FrameError (one line),
+# a DATA frame over MAX_CHUNK included.
+encode: Final = _CODEC.encode
+decode: Final = _CODEC.decode
 
 
 def encode_open(open_: StageOpen) -> bytes:
@@ -179,38 +168,6 @@ def encode_close(seq: int) -> bytes:
 def encode_error(seq: int, reason: ErrorReason, detail: str = "") -> bytes:
     line = " ".join(detail.split())  # one line, whatever the cause's text was
     return encode(ERROR, seq=seq, meta=StageError(reason=reason, detail=line))
-
-
-def decode(data: bytes) -> Frame:
-    """The frame in `data`; FrameError (one line) for anything else."""
-    if len(data) < PREFIX_SIZE:
-        raise FrameError(
-            f"not a stage link frame: {len(data)} bytes, shorter than its 9-byte prefix"
-        )
-    kind, seq, meta_len = _PREFIX.unpack_from(data)
-    if kind not in _META_TYPES:
-        raise FrameError(f"not a stage link frame: unknown kind 0x{kind:02x}")
-    end = PREFIX_SIZE + meta_len
-    if end > len(data):
-        raise FrameError(
-            f"truncated {KIND_NAMES[kind]} frame: meta of {meta_len} bytes, "
-            f"{len(data) - PREFIX_SIZE} left"
-        )
-    decoder = _DECODERS.get(kind)
-    meta: Meta | None = None
-    if decoder is not None:
-        if meta_len == 0:
-            raise FrameError(f"{KIND_NAMES[kind]} frame without its meta")
-        try:
-            meta = decoder.decode(data[PREFIX_SIZE:end])
-        except msgspec.DecodeError as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise FrameError(f"{KIND_NAMES[kind]} frame with undecodable meta: {first}") from None
-    elif meta_len:
-        raise FrameError(f"{KIND_NAMES[kind]} frame with {meta_len} bytes of meta, expected none")
-    if kind == DATA and len(data) - end > MAX_CHUNK:
-        raise FrameError(f"DATA frame of {len(data) - end} bytes, over the {MAX_CHUNK}-byte chunk")
-    return Frame(kind, seq, meta, data[end:])
 
 
 # Subjects (events/contract/subjects.py). Each node reads only under its own `stagelink(node)`;

@@ -20,10 +20,11 @@ Decoding never raises anything but FrameError, whose message is one line.
 
 from __future__ import annotations
 
-import struct
 from typing import Final, Literal
 
 import msgspec
+
+from events.contract import framing
 
 # Gateway -> agent, on subjects.tunnel(node_id).
 REQUEST: Final = 0x01  # meta TunnelRequest, payload the request body; reply = the stream's inbox
@@ -48,7 +49,7 @@ KIND_NAMES: Final = {
     ERROR: "ERROR",
 }
 
-_PREFIX: Final = struct.Struct(">BII")
+_PREFIX: Final = framing.PREFIX  # not imported by name: see framing.PREFIX
 PREFIX_SIZE: Final = _PREFIX.size  # 9 bytes
 
 # Agent -> gateway frames stay below this, far under NATS's default max_payload (1 MiB).
@@ -128,46 +129,34 @@ class TunnelError(
 Meta = TunnelRequest | TunnelCancel | TunnelCredit | TunnelHead | TunnelError
 
 
-class FrameError(ValueError):
+class FrameError(framing.FrameError):
     """Bytes that are not a tunnel frame; the message is one line."""
 
 
-class Frame(msgspec.Struct, frozen=True):
-    kind: int
-    seq: int = 0
-    meta: Meta | None = None
-    payload: bytes = b""
-
-    @property
-    def kind_name(self) -> str:
-        return KIND_NAMES.get(self.kind, f"0x{self.kind:02x}")
+class Frame(framing.Frame[Meta], frozen=True):
+    kind_names = KIND_NAMES
 
 
-_ENCODER: Final = msgspec.json.Encoder()
-_META_TYPES: Final[dict[int, type[Meta] | None]] = {
-    REQUEST: TunnelRequest,
-    CANCEL: TunnelCancel,
-    CREDIT: TunnelCredit,
-    ACK: None,
-    HEAD: TunnelHead,
-    DATA: None,
-    END: None,
-    ERROR: TunnelError,
-}
-_DECODERS: Final = {
-    kind: msgspec.json.Decoder(cls) for kind, cls in _META_TYPES.items() if cls is not None
-}
+_CODEC: Final[framing.Codec[Meta, Frame]] = framing.Codec(
+    "tunnel",
+    {
+        REQUEST: TunnelRequest,
+        CANCEL: TunnelCancel,
+        CREDIT: TunnelCredit,
+        ACK: None,
+        HEAD: TunnelHead,
+        DATA: None,
+        END: None,
+        ERROR: TunnelError,
+    },
+    frame=Frame,
+    error=FrameError,
+)
 
-
-def encode(kind: int, *, seq: int = 0, meta: Meta | None = None, payload: bytes = b"") -> bytes:
-    """One frame. `meta` must be the kind's meta type (None for ACK, DATA, END)."""
-    expected = _META_TYPES.get(kind, ...)
-    if expected is ...:
-        raise ValueError(f"unknown tunnel frame kind 0x{kind:02x}")
-    if (meta is None) != (expected is None) or (meta is not None and type(meta) is not expected):
-        raise ValueError(f"a {KIND_NAMES[kind]} frame takes {expected!r} as meta, not {meta!r}")
-    raw = _ENCODER.encode(meta) if meta is not None else b""
-    return b"".join((_PREFIX.pack(kind, seq, len(raw)), raw, payload))
+# encode(kind, *, seq=0, meta=None, payload=b""): one frame; `meta` must be the kind's meta type
+# (None for ACK, DATA, END). decode(data): the Frame in `data`, else FrameError (one line).
+encode: Final = _CODEC.encode
+decode: Final = _CODEC.decode
 
 
 def encode_request(request: TunnelRequest, body: bytes = b"") -> bytes:
@@ -204,34 +193,6 @@ def encode_error(seq: int, reason: ErrorReason, detail: str = "") -> bytes:
 
 
 _ACK: Final = _PREFIX.pack(ACK, 0, 0)
-
-
-def decode(data: bytes) -> Frame:
-    """The frame in `data`; FrameError (one line) for anything else."""
-    if len(data) < PREFIX_SIZE:
-        raise FrameError(f"not a tunnel frame: {len(data)} bytes, shorter than its 9-byte prefix")
-    kind, seq, meta_len = _PREFIX.unpack_from(data)
-    if kind not in _META_TYPES:
-        raise FrameError(f"not a tunnel frame: unknown kind 0x{kind:02x}")
-    end = PREFIX_SIZE + meta_len
-    if end > len(data):
-        raise FrameError(
-            f"truncated {KIND_NAMES[kind]} frame: meta of {meta_len} bytes, "
-            f"{len(data) - PREFIX_SIZE} left"
-        )
-    decoder = _DECODERS.get(kind)
-    meta: Meta | None = None
-    if decoder is not None:
-        if meta_len == 0:
-            raise FrameError(f"{KIND_NAMES[kind]} frame without its meta")
-        try:
-            meta = decoder.decode(data[PREFIX_SIZE:end])
-        except msgspec.DecodeError as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise FrameError(f"{KIND_NAMES[kind]} frame with undecodable meta: {first}") from None
-    elif meta_len:
-        raise FrameError(f"{KIND_NAMES[kind]} frame with {meta_len} bytes of meta, expected none")
-    return Frame(kind, seq, meta, data[end:])
 
 
 # A node's direct front (nodeagent/fencing_front.py) sets this on a refusal the workload never saw,
