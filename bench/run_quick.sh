@@ -42,6 +42,7 @@ QUICK=(
     "realmodel.py"
     "stage_link.py"
     "stage_link.py --secure"
+    "outbox.py"
 )
 
 JOBS=${BENCH_JOBS:-2}
