@@ -35,7 +35,7 @@ BENCH = Path(__file__).resolve().parent
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from _upstream import _until_stopped, raise_fd_limit  # noqa: E402
+from _upstream import _until_stopped, raise_fd_limit, routing  # noqa: E402
 
 
 async def front(args: argparse.Namespace) -> None:
@@ -61,53 +61,6 @@ async def front(args: argparse.Namespace) -> None:
             await task
         if args.stats is not None:
             args.stats.write_text(json.dumps({"tls_handshakes": served.handshakes}))
-
-
-async def routing(args: argparse.Namespace) -> None:
-    import msgspec
-
-    from events.contract import subjects
-    from events.contract.messages import ApiReply, RouteEntry, RoutingUpdate
-    from wire.nats_access import load_credentials
-    from wire.nats_bus import NatsBus
-
-    routes: dict[str, list[RouteEntry]] = {}
-    for spec in args.route:
-        cluster, replica_id, node_id, address = spec.split(",", 3)
-        routes.setdefault(cluster, []).append(
-            RouteEntry(replica_id=replica_id, node_id=node_id, address=address, epoch=1)
-        )
-    update = RoutingUpdate(
-        position=1,
-        routes={c: tuple(r) for c, r in routes.items()},
-        clusters=tuple(sorted(routes)),
-    )
-    encoded = msgspec.json.encode(update)
-    reply = msgspec.json.encode(ApiReply(ok=True, data=msgspec.to_builtins(update)))
-    creds = load_credentials(args.creds)
-    bus = await NatsBus.connect(args.nats, name="bench-routing-secure", credentials=creds)
-    try:
-        sub = await bus.subscribe(subjects.api("routing.get"))
-
-        async def answer() -> None:
-            async for msg in sub:
-                if msg.reply:
-                    await bus.publish(msg.reply, reply)
-
-        async def publish() -> None:
-            while True:
-                await bus.publish(subjects.ROUTING, encoded)
-                await asyncio.sleep(2.0)
-
-        tasks = [asyncio.create_task(answer()), asyncio.create_task(publish())]
-        await bus.flush()
-        print("ready", flush=True)
-        await _until_stopped()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
-        await bus.close()
 
 
 def main() -> int:

@@ -195,6 +195,7 @@ async def routing(args: argparse.Namespace) -> None:
 
     from events.contract import subjects
     from events.contract.messages import ApiReply, RouteEntry, RoutingUpdate
+    from wire.nats_access import load_credentials
     from wire.nats_bus import NatsBus
 
     routes: dict[str, list[RouteEntry]] = {}
@@ -210,7 +211,10 @@ async def routing(args: argparse.Namespace) -> None:
     )
     encoded = msgspec.json.encode(update)
     reply = msgspec.json.encode(ApiReply(ok=True, data=msgspec.to_builtins(update)))
-    bus = await NatsBus.connect(args.nats, name="bench-routing")
+    # A secured stack (bench/_tls_fronts.py routing) gives the controller's credentials.
+    creds = getattr(args, "creds", None)
+    credentials = load_credentials(creds) if creds is not None else None
+    bus = await NatsBus.connect(args.nats, name="bench-routing", credentials=credentials)
     try:
         sub = await bus.subscribe(subjects.api("routing.get"))
 

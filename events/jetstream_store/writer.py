@@ -114,10 +114,6 @@ class Turns:
         self._last = Turn()
         self._last.release()
 
-    def idle(self) -> bool:
-        """Whether every append made so far has sent: one made now sends at once."""
-        return self._last.sent
-
     def take(self) -> tuple[Turn, Turn]:
         before, mine = self._last, Turn()
         self._last = mine
@@ -185,7 +181,7 @@ class Writer:
             before, turn = self.turns.take()
             state = self._index.state(stream)
             if not (
-                fence is None  # fenced, each waits for the gate in its turn
+                fence is None  # fenced: each goes to the group commits in its turn
                 and before.sent
                 and len(events) == 1
                 and not state.stale
@@ -329,12 +325,7 @@ class Writer:
                     attempt -= 1
                     continue
             if ack.error is None and not ack.duplicate:
-                positions = list(range(ack.seq - len(events) + 1, ack.seq + 1))
-                # The versions its messages carry (the stream's lock is held since the send).
-                self._tail.remember(stream, events, positions, state.version + 1)
-                self._index.record(stream, events, positions)
-                self.acked_max = max(self.acked_max, ack.seq)
-                return positions
+                return self._stored(stream, state, events, ack.seq)
             if ack.duplicate:
                 stored = await self._duplicate(stream, events[0], ack.seq)
                 if stored is not None:
@@ -458,10 +449,10 @@ class Writer:
         self, work: Sequence[tuple[str, Sequence[NewEvent], int]], fence: tuple[str, int]
     ) -> list[list[int] | EventStoreError]:
         """A fenced append_many: in one turn, every append that can go without asking the
-        server anything (its stream known and where it expects, not a retry) goes in atomic
-        batches of up to MAX_BATCH events, in the order given; then the others, one by one,
-        as `append` sends them. A batch is stored whole or not at all (each of its appends
-        then gets the error)."""
+        server anything (its stream known and where it expects, not a retry) goes to the group
+        commits together, in the order given (atomic batches of up to MAX_BATCH events); then
+        the others, one by one, as `append` sends them. A batch is stored whole or not at all
+        (each of its appends then gets the error)."""
         results: list[list[int] | EventStoreError] = [[] for _ in work]
         before, turn = self.turns.take()
         held: dict[str, StreamState] = {}
@@ -528,11 +519,17 @@ class Writer:
             if isinstance(error, EventStoreError):
                 return error
             raise error
-        seq = pending.done.result().seq
-        positions = list(range(seq - len(events) + 1, seq + 1))
+        return self._stored(stream, state, events, pending.done.result().seq)
+
+    def _stored(
+        self, stream: str, state: StreamState, events: Sequence[NewEvent], last_seq: int
+    ) -> list[int]:
+        """An append acknowledged, its last message at `last_seq`: what the store keeps of it."""
+        positions = list(range(last_seq - len(events) + 1, last_seq + 1))
+        # The versions its messages carry (the stream's lock is held since the send).
         self._tail.remember(stream, events, positions, state.version + 1)
         self._index.record(stream, events, positions)
-        self.acked_max = max(self.acked_max, seq)
+        self.acked_max = max(self.acked_max, last_seq)
         return positions
 
     async def _catch_up(
